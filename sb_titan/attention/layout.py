@@ -1,0 +1,37 @@
+"""Per-micro-batch attention metadata: document layout and budget.
+
+TorchTitan calls the inner attention with `attention_masks=` only (no positions), so
+everything attention needs per micro-batch travels in one NamedTuple of tensors (a
+pytree, so pipeline schedules split and forward it like any other kwarg).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class AttnMeta(NamedTuple):
+    doc_id: torch.Tensor  # [B, L] int32: document index of each token within its row
+    budget: torch.Tensor  # [B] float32: attention budget beta of each row
+
+
+def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Document index per token: a document starts wherever the position is 0."""
+    starts = (positions == 0).to(torch.int32)
+    starts[:, 0] = 1  # a row always starts a (possibly continued) document
+    return (torch.cumsum(starts, dim=1) - 1).to(torch.int32)
+
+
+def doc_lens_from_doc_id(doc_id: torch.Tensor) -> list[list[int]]:
+    """Document lengths per row (host copy; for logging and cost prediction)."""
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in doc_id]
+
+
+def document_causal_mask(doc_id: torch.Tensor) -> torch.Tensor:
+    """[B, 1, L, L] bool: query i may attend key j iff j <= i and same document."""
+    L = doc_id.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc_id.device).tril()
+    same_doc = doc_id[:, :, None] == doc_id[:, None, :]
+    return (same_doc & causal)[:, None]
