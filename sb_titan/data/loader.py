@@ -1,0 +1,216 @@
+"""The recipe's data loader: a torchdata.nodes chain wrapped as TorchTitan's BaseDataLoader.
+
+    StepPlanNode (global plan, identical on every rank, metadata only)
+      → RankMicrobatchNode (this rank's micro-batches of each step, in order)
+      → Mapper(pack: read this rank's tokens, build rows)
+      → Prefetcher → Loader
+
+One item is one micro-batch: `({"input", "positions", "plan", ...}, labels)`; the
+global StepPlan rides along so the trainer can tune budgets for the whole step.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import numpy as np
+import torch
+import tyro
+from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
+from torchtitan.components.dataloader import BaseDataLoader
+
+from sb_titan.data.source import TokenSource
+from sb_titan.sab import CostFn, MicroBatchPlan, Planner, SABConfig, StepPlan
+
+IGNORE_INDEX = -100
+
+
+class StepPlanNode(BaseNode[StepPlan]):
+    """Yields global step plans; its state is the planner's (exact resume)."""
+
+    def __init__(self, planner: Planner) -> None:
+        super().__init__()
+        self.planner = planner
+        self._fresh = planner.state_dict()
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.planner.load_state_dict(initial_state["planner"] if initial_state else self._fresh)
+
+    def next(self) -> StepPlan:
+        return self.planner.next_step()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"planner": self.planner.state_dict()}
+
+
+class RankMicrobatchNode(BaseNode[tuple[StepPlan, int]]):
+    """Flattens step plans into (plan, micro-batch index) for one DP rank."""
+
+    def __init__(self, source: StepPlanNode, dp_rank: int) -> None:
+        super().__init__()
+        self.source = source
+        self.dp_rank = dp_rank
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self._plan: StepPlan | None = None
+        self._index = 0
+        # Re-plan the step that was in progress, then skip what was already yielded.
+        self._before = initial_state["source"] if initial_state else None
+        self.source.reset(self._before)
+        if initial_state and initial_state["index"] > 0:
+            self._pull()
+            self._index = initial_state["index"]
+
+    def _pull(self) -> None:
+        self._before = self.source.get_state()
+        self._plan = self.source.next()
+        self._index = 0
+
+    def next(self) -> tuple[StepPlan, int]:
+        if self._plan is None or self._index == len(self._plan.microbatches[self.dp_rank]):
+            self._pull()
+        item = (self._plan, self._index)
+        self._index += 1
+        return item
+
+    def get_state(self) -> dict[str, Any]:
+        at_boundary = self._plan is None or self._index == len(
+            self._plan.microbatches[self.dp_rank]
+        )
+        if at_boundary:
+            return {"source": self.source.get_state(), "index": 0}
+        return {"source": self._before, "index": self._index}
+
+
+def pack_microbatch(
+    source: TokenSource, mb: MicroBatchPlan, seq_len: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of [seq_len]: tokens, labels (next token within a piece) and positions.
+
+    Positions restart at 0 at every piece and at the padding, so attention (which
+    derives documents from positions) never crosses a document or into padding.
+    """
+    n_rows = len(mb.rows)
+    tokens = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
+    labels = np.full((n_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((n_rows, seq_len), dtype=np.int64)
+    for r, row in enumerate(mb.rows):
+        at = 0
+        for piece in row:
+            t = source.read(piece.sample_id, piece.start, piece.length)
+            if len(t) != piece.length:
+                raise ValueError(
+                    f"{source.name}: sample {piece.sample_id} returned {len(t)} tokens "
+                    f"for [{piece.start}, {piece.start + piece.length})"
+                )
+            tokens[r, at : at + piece.length] = t
+            labels[r, at : at + piece.length - 1] = t[1:]
+            positions[r, at : at + piece.length] = np.arange(piece.length)
+            at += piece.length
+        positions[r, at:] = np.arange(seq_len - at)
+    return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(positions)
+
+
+class SBDataLoader(BaseDataLoader):
+    """Plans every step globally, packs only this rank's micro-batches."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        dataset: str = "synthetic"
+        """`synthetic` (bundled longtail-v1 corpus) or `indexed` (an sb-prep output dir)."""
+        dataset_path: str | None = None
+        synthetic_docs: int = 20000
+        """Number of synthetic documents (one epoch)."""
+        synthetic_seed: int = 0
+        prefetch_factor: int = 2
+        microbatches_per_step: Annotated[int, tyro.conf.Suppress] = 1
+        """Set by the trainer: grad-accumulation steps x pipeline micro-batches."""
+        sab: Annotated[SABConfig, tyro.conf.Suppress] = field(default_factory=SABConfig)
+        """Set by the trainer from the top-level [sab] section."""
+        cost_fn: Annotated[CostFn | None, tyro.conf.Suppress] = None
+        """Set by the trainer: predicted micro-batch latency at the default budget."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = None,
+    ) -> None:
+        self.config = config
+        self.dp_rank = dp_rank
+        self.seq_len = seq_len
+        self.source = build_source(config, seq_len)
+        pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
+        self.pad_id = 0 if pad is None else pad
+        cost_fn = config.cost_fn or _token_count_cost
+        self.planner = Planner(
+            self.source.lengths,
+            seq_len=seq_len,
+            dp=dp_world_size,
+            microbatches=config.microbatches_per_step,
+            rows_per_microbatch=local_batch_size,
+            config=config.sab,
+            cost_fn=cost_fn,
+        )
+        node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner), dp_rank)
+        node = Mapper(node, self._pack)
+        node = Prefetcher(node, prefetch_factor=config.prefetch_factor)
+        self.loader = Loader(node)
+
+    def _pack(self, item: tuple[StepPlan, int]) -> tuple[dict[str, Any], torch.Tensor]:
+        plan, index = item
+        mb = plan.microbatches[self.dp_rank][index]
+        tokens, labels, positions = pack_microbatch(self.source, mb, self.seq_len, self.pad_id)
+        batch = {"input": tokens, "positions": positions, "plan": plan, "microbatch": index}
+        return batch, labels
+
+    def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
+        return iter(self.loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        # One key per DP rank (as TorchTitan's loaders do); pickled so DCP stores it as bytes.
+        return {f"dp_rank_{self.dp_rank}": pickle.dumps(self.loader.state_dict())}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = f"dp_rank_{self.dp_rank}"
+        if not state_dict:
+            return
+        if key not in state_dict:
+            raise KeyError(
+                f"data loader checkpoint has no state for {key} (it has "
+                f"{sorted(state_dict)}); was it saved with a different DP size?"
+            )
+        self.loader.load_state_dict(pickle.loads(state_dict[key]))
+
+
+def _token_count_cost(doc_lens: list[int]) -> float:
+    """Fallback 'latency' when no cost model is wired in: tokens plus quadratic term."""
+    return float(sum(doc_lens)) + float(sum(n * n for n in doc_lens)) / 4096.0
+
+
+def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:
+    if config.dataset == "synthetic":
+        from sb_titan.data.synthetic import SyntheticCorpus
+
+        return SyntheticCorpus(config.synthetic_docs, seq_len, seed=config.synthetic_seed)
+    if config.dataset == "indexed":
+        from sb_titan.data.indexed import IndexedDataset
+
+        if not config.dataset_path:
+            raise ValueError(
+                "dataloader.dataset_path: required when dataloader.dataset = 'indexed'"
+            )
+        return IndexedDataset(config.dataset_path)
+    raise ValueError(
+        f"dataloader.dataset: unknown dataset {config.dataset!r}; expected 'synthetic' or 'indexed'"
+    )
