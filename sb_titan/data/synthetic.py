@@ -76,7 +76,7 @@ class SyntheticCorpus:
         n_facts = max(1, n // FACT_EVERY)
         keys = rng.choice(10000, n_facts, replace=False)
         values = rng.integers(0, 10000, n_facts)
-        facts = [self._encode(f" key {k} maps to {v} .") for k, v in zip(keys, values)]
+        facts = [self._encode(f" key {k} maps to {v} .") for k, v in zip(keys, values, strict=True)]
         asked = rng.choice(n_facts, min(n_facts, 2), replace=False)
         query = [t for i in asked for t in self._encode(f" recall key {keys[i]} : {values[i]} .")]
         body_len = n - 1 - len(query)
@@ -87,7 +87,7 @@ class SyntheticCorpus:
         filler = self._filler(rng, max(0, body_len - fact_len))
         cuts = np.sort(rng.integers(0, len(filler) + 1, len(facts)))
         parts, prev = [np.array([bos])], 0
-        for cut, fact in zip(cuts, facts):
+        for cut, fact in zip(cuts, facts, strict=True):
             parts += [filler[prev:cut], np.array(fact)]
             prev = cut
         parts += [filler[prev:], np.array(query)]
