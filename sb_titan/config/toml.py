@@ -1,0 +1,208 @@
+"""TOML train configs → the TorchTitan config tree (precedence: CLI > TOML > defaults).
+
+Tables mirror the config tree (`[training]`, `[parallelism]`, `[checkpoint]`, ...)
+plus the recipe's sections (`[model]`, `[sparse_attention]`, `[sab]`, `[dst]`).
+Every key is checked against the dataclass it lands in: an unknown key or a value of
+the wrong type is a ConfigError naming the file and the dotted key path. CLI
+overrides use TorchTitan's names (`--training.steps 4`) and are applied by tyro on
+top of the TOML-filled tree, which re-runs the dataclasses' validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomli
+
+AC_MODES = ("none", "selective", "full")
+_tyro_rules_registered = False
+
+
+class ConfigError(ValueError):
+    """A config problem a user can fix; the message says where."""
+
+
+def load_config(path: str | Path | None, cli_args: list[str] | None = None):
+    """Defaults ← TOML file ← CLI overrides, with the model spec rebuilt at the end."""
+    from sb_titan.config_registry import sb_titan_base
+
+    config = sb_titan_base()
+    if path is not None:
+        path = Path(path)
+        data = read_toml(path)
+        apply_table(config, data, str(path), prefix="")
+    config = _apply_cli(config, cli_args or [], path)
+    try:
+        config.rebuild_model_spec()
+    except ValueError as e:
+        raise ConfigError(f"{path or '<defaults>'}: {e}") from None
+    return config
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            return tomli.load(f)
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def apply_table(obj: Any, table: dict[str, Any], file: str, prefix: str) -> None:
+    """Set `table`'s keys on the dataclass `obj`, recursing into sub-tables."""
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in table.items():
+        where = f"{prefix}{key}"
+        if key not in names or key == "model_spec":
+            allowed = ", ".join(sorted(n for n in names if n != "model_spec"))
+            raise ConfigError(f"{file}: unknown key '{where}' (allowed here: {allowed})")
+        if key == "activation_checkpoint":
+            setattr(obj, key, _activation_checkpoint(value, file, where))
+            continue
+        current = getattr(obj, key)
+        item_cls = _dataclass_list_item(hints.get(key))
+        if item_cls is not None:
+            setattr(obj, key, _build_list(item_cls, value, file, where))
+            continue
+        if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{file}: '{where}' must be a table ([{where}])")
+            apply_table(current, value, file, prefix=f"{where}.")
+            continue
+        setattr(obj, key, _check_type(value, hints.get(key, Any), file, where))
+    _revalidate(obj, file, prefix)
+
+
+def _dataclass_list_item(hint: Any) -> type | None:
+    """`list[SomeDataclass]` → SomeDataclass (an array of tables in TOML)."""
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint) or (None,)
+        if dataclasses.is_dataclass(item):
+            return item
+    return None
+
+
+def _build_list(cls: type, value: Any, file: str, where: str) -> list:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{file}: '{where}' must be an array of tables ([[{where}]])")
+    out = []
+    for i, table in enumerate(value):
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, v in table.items():
+            if key not in names:
+                raise ConfigError(
+                    f"{file}: unknown key '{where}[{i}].{key}' (allowed: {', '.join(sorted(names))})"
+                )
+            kwargs[key] = _check_type(v, hints.get(key, Any), file, f"{where}[{i}].{key}")
+        try:
+            out.append(cls(**kwargs))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{file}: '{where}[{i}]': {e}") from None
+    return out
+
+
+def _check_type(value: Any, hint: Any, file: str, where: str) -> Any:
+    if _matches(value, hint):
+        if isinstance(value, int) and not isinstance(value, bool) and _is_float_hint(hint):
+            return float(value)
+        return value
+    raise ConfigError(
+        f"{file}: '{where}' = {value!r} has type {type(value).__name__}, expected {_describe(hint)}"
+    )
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        return _matches(value, typing.get_args(hint)[0])
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        if not isinstance(value, list):
+            return False
+        item = args[0] if args else Any
+        return all(_matches(v, item) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def _is_float_hint(hint: Any) -> bool:
+    if hint is float:
+        return True
+    args = typing.get_args(hint)
+    return float in args and int not in args
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is typing.Annotated:
+        return _describe(typing.get_args(hint)[0])
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "nothing (omit the key)"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _revalidate(obj: Any, file: str, prefix: str) -> None:
+    """Re-run a section's own validation (e.g. allowed policy names) after filling it."""
+    post_init = getattr(obj, "__post_init__", None)
+    if post_init is None:
+        return
+    try:
+        post_init()
+    except ValueError as e:
+        raise ConfigError(f"{file}: [{prefix.rstrip('.') or 'root'}] {e}") from None
+
+
+def _activation_checkpoint(value: Any, file: str, where: str):
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    if not isinstance(value, dict) or set(value) - {"mode"}:
+        raise ConfigError(f"{file}: '{where}' must be a table with only 'mode' ({AC_MODES})")
+    mode = value.get("mode", "none")
+    if mode not in AC_MODES:
+        raise ConfigError(f"{file}: '{where}.mode' = {mode!r}, expected one of {AC_MODES}")
+    return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[mode]
+
+
+def _apply_cli(config, cli_args: list[str], path):
+    if not cli_args:
+        return config
+    import tyro
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    global _tyro_rules_registered
+    if not _tyro_rules_registered:
+        ConfigManager.register_tyro_rules(custom_registry)
+        _tyro_rules_registered = True
+    try:
+        return tyro.cli(type(config), args=cli_args, default=config, registry=custom_registry)
+    except SystemExit as e:
+        raise ConfigError(
+            f"{path or '<defaults>'}: invalid command-line override(s) {cli_args} (see above)"
+        ) from e

@@ -1,0 +1,42 @@
+"""Base configs, TorchTitan's convention: `--module sb_titan --config sb_titan_debug`.
+
+A TOML file (sb_titan/config/toml.py) is applied on top of `sb_titan_base()`;
+these functions are also usable directly from Python.
+"""
+
+from __future__ import annotations
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.config import ParallelismConfig, TrainingConfig
+
+from sb_titan.data.loader import SBDataLoader
+from sb_titan.data.tokenizer import TOKENIZER_DIR
+from sb_titan.trainer import SBTrainer
+
+
+def sb_titan_base() -> SBTrainer.Config:
+    """Defaults every TOML config starts from (CPU friendly, fp32)."""
+    config = SBTrainer.Config(
+        hf_assets_path=str(TOKENIZER_DIR),
+        dump_folder="./outputs",
+        loss=CrossEntropyLoss.Config(),
+        metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=True),
+        dataloader=SBDataLoader.Config(),
+        optimizer=default_adamw(lr=3e-3),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8),
+        training=TrainingConfig(
+            local_batch_size=2, seq_len=1024, steps=20, dtype="float32", disable_cuda_graphs=True
+        ),
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        activation_checkpoint=None,
+    )
+    config.rebuild_model_spec()
+    return config
+
+
+def sb_titan_debug() -> SBTrainer.Config:
+    return sb_titan_base()

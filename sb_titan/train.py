@@ -1,0 +1,77 @@
+"""Entry point: `python -m sb_titan.train --config_file X.toml [--section.key value ...]`.
+
+run_train.sh launches this under torchrun. Config problems exit with status 2 and one
+message naming the file and key (no traceback); everything else is TorchTitan's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import sb_titan  # noqa: F401  (compat shims before torchtitan's trainer is imported)
+from sb_titan.config.toml import ConfigError, load_config
+
+CONFIG_FLAGS = ("--config_file", "--job.config_file")
+
+
+def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
+    """Pull `--config_file PATH` (or `=PATH`) out of the argument list."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        flag, eq, value = arg.partition("=")
+        if flag in CONFIG_FLAGS:
+            if eq:
+                path = value
+            elif i + 1 < len(argv):
+                path, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError(f"{flag} needs a path")
+        else:
+            rest.append(arg)
+        i += 1
+    return path, rest
+
+
+def parse(argv: list[str]):
+    path, overrides = split_config_file(argv)
+    return load_config(path, overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    check_only = "--check-config" in argv
+    argv = [a for a in argv if a != "--check-config"]
+    try:
+        config = parse(argv)
+    except ConfigError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"sb_titan: config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if check_only:
+        return
+    run(config)
+
+
+def run(config) -> None:
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
+
+    init_logger()
+    trainer = None
+    try:
+        trainer = config.build()
+        trainer.train()
+    except Exception:
+        if trainer is not None:
+            trainer.close()
+        raise
+    trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
+
+
+if __name__ == "__main__":
+    main()
