@@ -22,15 +22,25 @@ from sb_titan.cost_model import POLICIES, CostModel, Unit
 ANCHORS = ("min", "mean", "median", "max")
 
 
-@dataclass
+@dataclass(kw_only=True, slots=True)
 class DSTConfig:
+    """The `[dst]` section."""
+
     enabled: bool = True
-    anchor: str = "mean"  # the paper found mean best and min harmful
-    p: float = 0.1  # tolerance band around the anchor
+    """Off: every unit trains at beta0 (predictions are still made, for logging)."""
+    anchor: str = "mean"
+    """Statistic of the units' predicted latencies to pull toward: one of ANCHORS.
+    The paper found mean best and min harmful."""
+    p: float = 0.1
+    """Tolerance: units within anchor*(1 +/- p) keep beta0."""
     beta0: float = 0.9
+    """Default budget."""
     beta_min: float = 0.5
+    """Floor for bottlenecks (accuracy guard)."""
     beta_max: float = 1.0
+    """Ceiling for non-bottlenecks."""
     policy: str = "mass"
+    """Selection policy the budget feeds: one of cost_model.POLICIES."""
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:
