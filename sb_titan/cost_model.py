@@ -79,13 +79,12 @@ def _check_policy(policy: str) -> None:
 # --------------------------------------------------------------------------- profile
 
 
-def _number(value: Any, key: str, source: str, *, positive: bool = False) -> float:
+def _number(value: Any, key: str, source: str) -> float:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value):
         raise ProfileError(f"{source}: key '{key}': expected a finite number, got {value!r}")
-    if value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ProfileError(f"{source}: key '{key}': must be {bound}, got {value!r}")
+    if value < 0:
+        raise ProfileError(f"{source}: key '{key}': must be >= 0, got {value!r}")
     return float(value)
 
 
@@ -242,6 +241,17 @@ class AnalyticSpec:
     attn_efficiency: float = 0.4
     overhead_seconds: float = 1e-3
     device_name: str = "analytic"
+
+    def __post_init__(self) -> None:
+        dims = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "block_size")
+        for name in dims:
+            if getattr(self, name) < 1:
+                raise ValueError(f"AnalyticSpec.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("gemm_efficiency", "attn_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"AnalyticSpec.{name} must lie in (0, 1]")
+        if self.peak_flops <= 0 or self.overhead_seconds < 0 or self.vocab_size < 0:
+            raise ValueError("AnalyticSpec: need peak_flops > 0, overhead_seconds >= 0, vocab >= 0")
 
 
 _ANALYTIC_DENSITIES = [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0]

@@ -240,6 +240,16 @@ def test_analytic_model_matches_its_flop_count():
     # The ideal 1/rho: a sparse kernel at density 0.25 does a quarter of the pairs.
     sparse = m.predict([32768], 0.25) - 6 * params * 32768 / 5e14
     assert sparse == pytest.approx(flops_attn / 4 / 5e14, rel=1e-9)
+    with pytest.raises(ValueError, match="attn_efficiency"):
+        AnalyticSpec(
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            head_dim=16,
+            intermediate=128,
+            layers=2,
+            attn_efficiency=0.0,
+        )
 
 
 def test_density_model_prior_learning_and_state_dict():
