@@ -28,7 +28,12 @@ def sb_titan_base() -> SBTrainer.Config:
         optimizer=default_adamw(lr=3e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8),
         training=TrainingConfig(
-            local_batch_size=2, seq_len=1024, steps=20, dtype="float32", disable_cuda_graphs=True
+            local_batch_size=2,
+            seq_len=1024,
+            steps=20,
+            dtype="float32",
+            mixed_precision_param="float32",
+            disable_cuda_graphs=True,
         ),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),

@@ -62,7 +62,14 @@ def run(config) -> None:
     trainer = None
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            # One set of initial weights that runs of any parallel layout can start from.
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                raise ConfigError("checkpoint.create_seed_checkpoint needs a single process")
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     except Exception:
         if trainer is not None:
             trainer.close()

@@ -10,6 +10,7 @@ What it adds to the stock trainer, and nothing else:
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,8 @@ class SBTrainer(Trainer):
     # -- per micro-batch metadata ------------------------------------------------------------
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor):
         plan, mb_index = input_dict.pop("plan"), input_dict.pop("microbatch")
+        if getattr(self.config.dataloader, "sample_log", False):
+            self._log_samples(plan, mb_index)
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
         budget = self._budget_of(plan, mb_index)
@@ -91,6 +94,22 @@ class SBTrainer(Trainer):
             budget=torch.full((positions.shape[0],), budget, device=positions.device),
         )
         return inputs, labels, extra
+
+    def _log_samples(self, plan: StepPlan, mb_index: int) -> None:
+        rank = self._dp_rank()
+        rows = plan.microbatches[rank][mb_index].rows
+        record = {
+            "step": self.step,
+            "plan_step": plan.step,
+            "microbatch": mb_index,
+            "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
+        }
+        os.makedirs(self.config.dump_folder, exist_ok=True)
+        path = os.path.join(
+            self.config.dump_folder, f"samples_rank{torch.distributed.get_rank()}.jsonl"
+        )
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _budget_of(self, plan: StepPlan, mb_index: int) -> float:
         if self._step_plan is None or plan.step != self._step_plan.step:

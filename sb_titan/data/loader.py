@@ -128,6 +128,9 @@ class SBDataLoader(BaseDataLoader):
         """Number of synthetic documents (one epoch)."""
         synthetic_seed: int = 0
         prefetch_factor: int = 2
+        sample_log: bool = False
+        """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
+        (what resume and cross-rank tests compare)."""
         microbatches_per_step: Annotated[int, tyro.conf.Suppress] = 1
         """Set by the trainer: grad-accumulation steps x pipeline micro-batches."""
         sab: Annotated[SABConfig, tyro.conf.Suppress] = field(default_factory=SABConfig)
@@ -164,8 +167,8 @@ class SBDataLoader(BaseDataLoader):
         )
         node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner), dp_rank)
         node = Mapper(node, self._pack)
-        node = Prefetcher(node, prefetch_factor=config.prefetch_factor)
-        self.loader = Loader(node)
+        self._root = Prefetcher(node, prefetch_factor=config.prefetch_factor)
+        self.loader = Loader(self._root)
 
     def _pack(self, item: tuple[StepPlan, int]) -> tuple[dict[str, Any], torch.Tensor]:
         plan, index = item
@@ -190,6 +193,9 @@ class SBDataLoader(BaseDataLoader):
                 f"data loader checkpoint has no state for {key} (it has "
                 f"{sorted(state_dict)}); was it saved with a different DP size?"
             )
+        # A fresh Loader: the checkpointer's state_dict() call (to build its load
+        # template) already created an iterator that would otherwise ignore this state.
+        self.loader = Loader(self._root)
         self.loader.load_state_dict(pickle.loads(state_dict[key]))
 
 

@@ -1,0 +1,85 @@
+"""Shared helpers: launch real torchrun jobs and read what they wrote."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEBUG_TOML = REPO / "train_configs" / "debug_cpu.toml"
+# Small, fast settings on top of the default CPU config (rows <= 4096 tokens).
+TINY = [
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--debug.seed",
+    "0",
+]
+
+
+def cpu_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def torchrun(
+    nproc: int, args: list[str], dump: Path, timeout: int = 300, config: Path = DEBUG_TOML
+) -> subprocess.CompletedProcess:
+    """Run `python -m sb_titan.train` under a real torchrun with `nproc` CPU processes."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "sb_titan.train",
+        "--config_file",
+        str(config),
+        "--dump_folder",
+        str(dump),
+        *TINY,
+        *args,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def scalars(dump: Path, tag: str) -> dict[int, float]:
+    """step -> value of a TensorBoard scalar, over every event file under dump/tb."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
+        acc = EventAccumulator(run)
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def losses(dump: Path) -> list[float]:
+    by_step = scalars(dump, "loss_metrics/global_avg_loss")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def sample_log(dump: Path, rank: int = 0) -> list[dict]:
+    path = dump / f"samples_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
