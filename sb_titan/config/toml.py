@@ -98,9 +98,8 @@ def _build_list(cls: type, value: Any, file: str, where: str) -> list:
         kwargs = {}
         for key, v in table.items():
             if key not in names:
-                raise ConfigError(
-                    f"{file}: unknown key '{where}[{i}].{key}' (allowed: {', '.join(sorted(names))})"
-                )
+                allowed = ", ".join(sorted(names))
+                raise ConfigError(f"{file}: unknown key '{where}[{i}].{key}' (allowed: {allowed})")
             kwargs[key] = _check_type(v, hints.get(key, Any), file, f"{where}[{i}].{key}")
         try:
             out.append(cls(**kwargs))
