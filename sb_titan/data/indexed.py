@@ -1,0 +1,195 @@
+"""Tokenized indexed dataset on disk (written by `sb-prep`, read by the loader).
+
+A dataset is a directory of three files:
+  tokens.bin   every sample's tokens back to back, raw little-endian uint32 or int32
+  index.npy    int64 [n, 3]: offset (in tokens), length, sample id (0..n-1, in order)
+  meta.json    format version, dtype, counts, tokenizer and source files
+
+Planning needs only the lengths (read once into memory); tokens are memory-mapped, so
+each rank pages in only the samples it packs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "sb_titan-indexed"
+VERSION = 1
+DTYPES = ("uint32", "int32")
+TOKENS, INDEX, META = "tokens.bin", "index.npy", "meta.json"
+
+
+class DatasetError(ValueError):
+    """A missing, corrupt or inconsistent dataset file; the message names it."""
+
+
+class IndexedDataset:
+    """TokenSource over an sb-prep output directory."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.name = f"indexed({self.path})"
+        if not self.path.is_dir():
+            raise DatasetError(f"{self.path}: dataset directory not found")
+        self.meta = _read_meta(self.path / META)
+        self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
+        index = _read_index(self.path / INDEX, self.meta["num_samples"])
+        self._offsets = index[:, 0].copy()
+        self._lengths = index[:, 1].copy()
+        _check_layout(self.path / INDEX, index, self.meta["num_tokens"])
+        self._tokens = _map_tokens(self.path / TOKENS, self.dtype, self.meta["num_tokens"])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def read(self, sample_id: int, start: int, length: int) -> np.ndarray:
+        if not 0 <= sample_id < len(self._lengths):
+            raise IndexError(f"{self.name}: sample id {sample_id} out of range [0, {len(self)})")
+        n = int(self._lengths[sample_id])
+        if start < 0 or length < 0 or start + length > n:
+            raise IndexError(
+                f"{self.name}: range [{start}, {start + length}) outside sample "
+                f"{sample_id} of {n} tokens"
+            )
+        at = int(self._offsets[sample_id]) + start
+        return self._tokens[at : at + length].astype(np.int64)
+
+
+def _read_meta(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise DatasetError(f"{file}: missing (not an sb-prep dataset directory?)")
+    try:
+        meta = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"{file}: unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DatasetError(f"{file}: not an {FORMAT} metadata file")
+    if meta.get("version") != VERSION:
+        raise DatasetError(f"{file}: format version {meta.get('version')}, expected {VERSION}")
+    for key in ("dtype", "num_samples", "num_tokens"):
+        if key not in meta:
+            raise DatasetError(f"{file}: missing key '{key}'")
+    if meta["dtype"] not in DTYPES:
+        raise DatasetError(f"{file}: dtype {meta['dtype']!r}, expected one of {DTYPES}")
+    for key in ("num_samples", "num_tokens"):
+        if not isinstance(meta[key], int) or meta[key] < 0:
+            raise DatasetError(f"{file}: '{key}' must be a non-negative integer")
+    return meta
+
+
+def _read_index(file: Path, num_samples: int) -> np.ndarray:
+    if not file.is_file():
+        raise DatasetError(f"{file}: missing")
+    try:
+        index = np.load(file, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise DatasetError(f"{file}: corrupt ({e})") from None
+    if index.dtype != np.int64 or index.ndim != 2 or index.shape[1] != 3:
+        raise DatasetError(
+            f"{file}: expected int64 [n, 3] (offset, length, id), got {index.dtype} "
+            f"{list(index.shape)}"
+        )
+    if len(index) != num_samples:
+        raise DatasetError(f"{file}: {len(index)} samples, but {META} says {num_samples}")
+    return index
+
+
+def _check_layout(file: Path, index: np.ndarray, num_tokens: int) -> None:
+    """Samples are contiguous, in id order, and exactly cover tokens.bin."""
+    offsets, lengths, ids = index[:, 0], index[:, 1], index[:, 2]
+    if (lengths < 0).any():
+        raise DatasetError(f"{file}: negative length at sample {int(np.argmax(lengths < 0))}")
+    if not np.array_equal(ids, np.arange(len(index))):
+        bad = int(np.argmax(ids != np.arange(len(index))))
+        raise DatasetError(f"{file}: sample ids must be 0..n-1 in order (row {bad} has {ids[bad]})")
+    expect = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(index) else offsets
+    if not np.array_equal(offsets, expect):
+        bad = int(np.argmax(offsets != expect))
+        raise DatasetError(
+            f"{file}: sample {bad} starts at token {offsets[bad]}, expected {expect[bad]}"
+        )
+    if int(lengths.sum()) != num_tokens:
+        raise DatasetError(
+            f"{file}: lengths add up to {int(lengths.sum())} tokens, {META} says {num_tokens}"
+        )
+
+
+def _map_tokens(file: Path, dtype: np.dtype, num_tokens: int) -> np.ndarray:
+    if not file.is_file():
+        raise DatasetError(f"{file}: missing")
+    size = file.stat().st_size
+    if size != num_tokens * dtype.itemsize:
+        raise DatasetError(
+            f"{file}: {size} bytes, expected {num_tokens} tokens x {dtype.itemsize} bytes "
+            f"= {num_tokens * dtype.itemsize} (truncated or from another dataset?)"
+        )
+    if num_tokens == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(file, dtype=dtype, mode="r", shape=(num_tokens,))
+
+
+class IndexedWriter:
+    """Appends tokenized samples; `close(meta)` publishes the dataset.
+
+    Files are written under temporary names and renamed at the end, meta.json last (it
+    marks a complete dataset; an old one is removed first), so an interrupted run never
+    leaves a directory that looks complete.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, dtype: str = "uint32") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"IndexedWriter: dtype {dtype!r}, expected one of {DTYPES}")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / META).unlink(missing_ok=True)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        self._limits = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max)
+        self._tmp = self.out_dir / (TOKENS + ".tmp")
+        self._file = self._tmp.open("wb")
+        self._lengths: list[int] = []
+        self.num_tokens = 0
+
+    def add(self, tokens: np.ndarray | list[int]) -> int:
+        """Write one sample; returns its id."""
+        arr = np.asarray(tokens)
+        if len(arr) and (arr.min() < self._limits[0] or arr.max() > self._limits[1]):
+            raise ValueError(f"IndexedWriter: token ids outside the {self.dtype.name} range")
+        self._file.write(arr.astype(self.dtype).tobytes())
+        self._lengths.append(len(arr))
+        self.num_tokens += len(arr)
+        return len(self._lengths) - 1
+
+    def close(self, meta: dict[str, Any]) -> Path:
+        """Publish tokens.bin, then index.npy, then meta.json."""
+        self._file.close()
+        lengths = np.asarray(self._lengths, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        index = np.stack([offsets[: len(lengths)], lengths, np.arange(len(lengths))], axis=1)
+        np.save(self.out_dir / (INDEX + ".tmp.npy"), index.astype(np.int64))
+        full = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "num_samples": len(lengths),
+            "num_tokens": self.num_tokens,
+            **meta,
+        }
+        (self.out_dir / (META + ".tmp")).write_text(json.dumps(full, indent=2) + "\n")
+        os.replace(self._tmp, self.out_dir / TOKENS)
+        os.replace(self.out_dir / (INDEX + ".tmp.npy"), self.out_dir / INDEX)
+        os.replace(self.out_dir / (META + ".tmp"), self.out_dir / META)
+        return self.out_dir
+
+    def abort(self) -> None:
+        """Drop what was written (the directory is left without a dataset)."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
