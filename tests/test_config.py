@@ -1,0 +1,111 @@
+"""TOML configs: precedence CLI > TOML > defaults, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cpu_env
+
+from sb_titan.config.toml import ConfigError, load_config
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_cli_over_toml_over_defaults(tmp_path):
+    path = _write(tmp_path, "[training]\nsteps = 7\nseq_len = 256\n")
+    config = load_config(path, ["--training.steps", "9"])
+    assert config.training.steps == 9  # CLI wins
+    assert config.training.seq_len == 256  # TOML wins over the default
+    assert config.training.local_batch_size == 2  # default
+
+
+def test_shipped_configs_load():
+    for name in ("debug_cpu", "qwen2.5_0.5b_64k", "qwen2.5_3b_128k"):
+        config = load_config(REPO / "train_configs" / f"{name}.toml")
+        assert config.model_spec is not None and config.model_spec.name == "qwen2_5"
+
+
+def test_recipe_sections_and_model_rebuild(tmp_path):
+    path = _write(
+        tmp_path,
+        "[model]\nflavor = '0.5b'\n[sparse_attention]\npolicy = 'topk'\ndense_layers = [0, -1]\n",
+    )
+    config = load_config(path)
+    layers = config.model_spec.model.layers
+    assert len(layers) == 24 and config.model_spec.model.enable_weight_tying
+    sparse = [layer.attention.inner_attention.sparse for layer in layers]
+    assert sparse[0] is False and sparse[-1] is False and all(sparse[1:-1])
+    assert layers[1].attention.inner_attention.policy == "topk"
+
+
+def test_param_groups_array_of_tables(tmp_path):
+    path = _write(
+        tmp_path,
+        "[[optimizer.param_groups]]\npattern = '.*'\noptimizer_name = 'AdamW'\n"
+        "optimizer_kwargs = { lr = 1e-3 }\n",
+    )
+    (group,) = load_config(path).optimizer.param_groups
+    assert group.optimizer_kwargs == {"lr": 1e-3}
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("[training]\nstepz = 3\n", ["unknown key 'training.stepz'"]),
+        ("[training]\nsteps = 'many'\n", ["'training.steps'", "expected int"]),
+        ("[model]\nflavor = '13b'\n", ["model.flavor", "'13b'", "0.5b"]),
+        ("[sparse_attention]\npolicy = 'random'\n", ["sparse_attention.policy", "'random'"]),
+        ("[sab]\npolicy = 'magic'\n", ["sab.policy"]),
+        ("[dst]\nanchor = 'p99'\n", ["dst.anchor"]),
+        ("[training\nsteps = 3\n", ["invalid TOML"]),
+    ],
+)
+def test_bad_input_names_file_and_key(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found: .*nope.toml"):
+        load_config(REPO / "nope.toml")
+
+
+def test_cli_reports_one_clear_line_and_exit_code_2(tmp_path):
+    """Through the real entry point (what run_train.sh calls before torchrun)."""
+    path = _write(tmp_path, "[training]\nstepz = 3\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sb_titan.train", "--check-config", "--config_file", str(path)],
+        cwd=REPO,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"{path}: unknown key 'training.stepz'" in proc.stderr
+
+
+def test_run_train_sh_rejects_bad_config_before_launch(tmp_path):
+    proc = subprocess.run(
+        ["./run_train.sh"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=cpu_env(CONFIG_FILE=str(tmp_path / "missing.toml")),
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
+    assert "config file not found" in proc.stderr
