@@ -1,0 +1,190 @@
+"""Block selection under a budget: estimated mass -> compressed block table + stats.
+
+Per (row b, kv head h, query block i) the allowed key blocks are [sink(i), i]. Both
+policies rank them the same way: the forced blocks (sink and diagonal) first, then by
+descending estimated mass, ties to the lower block id. `topk` keeps a prefix of length
+max(ceil(beta * n_allowed), n_forced); `mass` keeps the shortest prefix (at least the
+forced blocks) whose mass reaches beta. Query blocks are processed `chunk_blocks` at a
+time, so the budget can change every micro-batch without recompilation and peak extra
+memory stays O(chunk * NB).
+
+The table (`BlockTable`) is the contract with the Triton kernels:
+  kv_count [B, Hkv, NB] int32, kv_index [B, Hkv, NB, MAXK] int32 (ascending, 0-padded),
+  q_count [B, Hkv, NB] int32, q_index [B, Hkv, NB, MAXQ] int32 (the transpose),
+  block_size: python int (also NB = ceil(L / block_size)).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sb_titan.attention.estimator import (
+    block_mass_from_pooled,
+    num_blocks,
+    pool_blocks,
+    pool_query_blocks,
+    sink_blocks,
+)
+
+POLICIES = ("mass", "topk")
+BLOCK_SIZES = (64, 128)
+MASS_TOL = 1e-6  # `mass` stops once kept mass >= beta - MASS_TOL (fp32 cumsum slack)
+TOPK_SLACK = 1e-6  # ceil(beta * n * (1 - slack)): beta=0.1 stored in fp32 keeps 1 of 10
+
+
+class BlockTable(NamedTuple):
+    kv_count: torch.Tensor  # [B, Hkv, NB] int32: key blocks kept per query block
+    kv_index: torch.Tensor  # [B, Hkv, NB, MAXK] int32: their ids, ascending, 0-padded
+    q_count: torch.Tensor  # [B, Hkv, NB] int32: query blocks that kept each key block
+    q_index: torch.Tensor  # [B, Hkv, NB, MAXQ] int32: their ids, ascending, 0-padded
+    block_size: int
+
+
+class AttnStats(NamedTuple):
+    density: torch.Tensor  # [B] float32: kept block pairs / allowed block pairs
+    recall: torch.Tensor  # [B] float32: mean over (kv head, query block) of kept est. mass
+
+
+def transpose_table(
+    kv_count: torch.Tensor, kv_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_count, q_index) of a (kv_count, kv_index) table, by one sort of its entries.
+
+    Memory and work are O(kept pairs); nothing of size NB^2 is allocated.
+    """
+    B, H, nb = kv_count.shape
+    maxk = kv_index.shape[-1]
+    dev = kv_count.device
+    valid = torch.arange(maxk, device=dev) < kv_count[..., None].long()
+    b, h, i, slot = valid.nonzero(as_tuple=True)
+    j = kv_index[b, h, i, slot].long()
+    key_block = (b * H + h) * nb + j  # flat (b, h, j) of each kept pair
+    order = torch.argsort(key_block * nb + i, stable=True)  # by (b, h, j), then i
+    key_block, i = key_block[order], i[order]
+    q_count = torch.bincount(key_block, minlength=B * H * nb)
+    maxq = int(q_count.max()) if key_block.numel() else 0
+    group_start = torch.cumsum(q_count, 0) - q_count
+    rank = torch.arange(key_block.numel(), device=dev) - group_start[key_block]
+    q_index = torch.zeros(B * H * nb, maxq, dtype=torch.int32, device=dev)
+    q_index[key_block, rank] = i.to(torch.int32)
+    return q_count.view(B, H, nb).to(torch.int32), q_index.view(B, H, nb, maxq)
+
+
+def _validate(q, k, doc_id, budget, policy, block_size) -> torch.Tensor:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, L, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    B, Hq, L, D = q.shape
+    if k.shape[0] != B or k.shape[2:] != (L, D):
+        raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)} in B, L or D")
+    if Hq % k.shape[1]:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({k.shape[1]})")
+    if doc_id.shape != (B, L):
+        raise ValueError(f"doc_id must be [B, L] = {(B, L)}, got {tuple(doc_id.shape)}")
+    if L > 1 and bool((doc_id[:, 1:] < doc_id[:, :-1]).any()):
+        raise ValueError("doc_id must be non-decreasing along each row (contiguous documents)")
+    budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
+    if budget.dim() == 0:
+        budget = budget.expand(B)
+    if budget.shape != (B,):
+        raise ValueError(f"budget must be a scalar or [B] = [{B}], got {tuple(budget.shape)}")
+    if not bool(((budget > 0) & (budget <= 1)).all()):
+        raise ValueError(f"budget must lie in (0, 1], got {budget.tolist()}")
+    return budget
+
+
+def _select_chunk(
+    prob: torch.Tensor,
+    allowed: torch.Tensor,
+    sink: torch.Tensor,
+    start: int,
+    budget: torch.Tensor,
+    policy: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kept blocks of one chunk of query blocks.
+
+    prob/allowed: [B, Hkv, n, NB]. Returns (count [B, Hkv, n], ids [B, Hkv, n, maxc]
+    ascending and 0-padded, kept mass [B, Hkv, n]).
+    """
+    B, H, n, nb = prob.shape
+    dev = prob.device
+    i = torch.arange(start, start + n, device=dev)
+    j = torch.arange(nb, device=dev)
+    sink_i = sink[:, start : start + n]  # [B, n]
+    forced = (j == i[:, None]) | (j == sink_i[:, :, None])  # [B, n, NB]
+    key = torch.where(forced[:, None], 2.0, torch.where(allowed, prob, -1.0))
+    order = torch.argsort(key, dim=-1, descending=True, stable=True)
+    sorted_prob = torch.gather(prob, -1, order)
+    n_allowed = (i - sink_i + 1)[:, None]  # [B, 1, n]
+    n_forced = 1 + (sink_i != i).long()[:, None]
+    beta = budget[:, None, None]
+    if policy == "topk":
+        want = torch.ceil(beta.double() * n_allowed * (1.0 - TOPK_SLACK)).long()
+        count = torch.maximum(want, n_forced).expand(B, H, n)
+    else:
+        cum = torch.cumsum(sorted_prob, dim=-1)
+        rank = torch.arange(nb, device=dev)
+        extra = ((cum - sorted_prob) < beta[..., None] - MASS_TOL) & (rank < n_allowed[..., None])
+        count = torch.maximum(extra.sum(-1), n_forced)
+        del cum, extra
+    kept_mass = torch.where(torch.arange(nb, device=dev) < count[..., None], sorted_prob, 0.0).sum(
+        -1
+    )
+    maxc = int(count.max())
+    ids = order[..., :maxc]
+    ids = torch.where(torch.arange(maxc, device=dev) < count[..., None], ids, nb)
+    ids = torch.sort(ids, dim=-1).values
+    ids = torch.where(ids == nb, 0, ids)
+    return count, ids, kept_mass
+
+
+@torch.no_grad()
+def select_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc_id: torch.Tensor,
+    budget: torch.Tensor | float,
+    *,
+    policy: str,
+    block_size: int,
+    scale: float | None = None,
+    chunk_blocks: int = 256,
+) -> tuple[BlockTable, AttnStats]:
+    """Estimate block mass and keep blocks per (row, kv head, query block) under budget.
+
+    q: [B, Hq, L, D]; k: [B, Hkv, L, D]; doc_id: [B, L] non-decreasing per row;
+    budget: [B] (or a scalar) in (0, 1]. Not differentiated (runs under no_grad).
+    """
+    budget = _validate(q, k, doc_id, budget, policy, block_size)
+    if chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    B, Hkv, L, D = k.shape
+    nb = num_blocks(L, block_size)
+    scale = D**-0.5 if scale is None else scale
+    qp = pool_query_blocks(q, Hkv, block_size)
+    kp = pool_blocks(k, block_size)
+    sink = sink_blocks(doc_id, block_size)
+    counts, ids, masses = [], [], []
+    for start in range(0, nb, chunk_blocks):
+        end = min(start + chunk_blocks, nb)
+        prob, allowed = block_mass_from_pooled(qp, kp, sink, start, end, scale)
+        c, idx, m = _select_chunk(prob, allowed, sink, start, budget, policy)
+        counts.append(c)
+        ids.append(idx)
+        masses.append(m)
+    kv_count = torch.cat(counts, dim=2)
+    maxk = max(x.shape[-1] for x in ids)
+    kv_index = torch.cat([torch.nn.functional.pad(x, (0, maxk - x.shape[-1])) for x in ids], 2)
+    kv_count, kv_index = kv_count.to(torch.int32), kv_index.to(torch.int32)
+    q_count, q_index = transpose_table(kv_count, kv_index)
+    n_allowed = (torch.arange(nb, device=q.device) - sink + 1).sum(-1) * Hkv  # [B]
+    stats = AttnStats(
+        density=(kv_count.sum(dim=(1, 2)) / n_allowed).float(),
+        recall=torch.cat(masses, dim=2).mean(dim=(1, 2)).float(),
+    )
+    return BlockTable(kv_count, kv_index, q_count, q_index, block_size), stats

@@ -1,0 +1,65 @@
+"""Dynamic block-sparse attention: select blocks under a budget, then attend.
+
+One entry point for the model: the pattern is chosen per call (so per micro-batch
+budget changes cost nothing), selection is not differentiated, and the attention runs
+on the Triton kernels for CUDA tensors or on the PyTorch path otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from sb_titan.attention.block_sparse import block_sparse_attention
+from sb_titan.attention.selection import AttnStats, select_blocks
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "auto":
+        return device.type == "cuda"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (got {device.type}); "
+            "set TRITON_INTERPRET=1 to run the kernels in the interpreter, or use backend='torch'"
+        )
+    return backend == "triton"
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_id: torch.Tensor,
+    budget: torch.Tensor | float,
+    *,
+    policy: str = "mass",
+    block_size: int = 64,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, AttnStats]:
+    """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]; budget: [B] in (0, 1].
+
+    Returns (out [B, Hq, L, D], AttnStats with per-row density and recall).
+    """
+    triton = _use_triton(backend, q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    with torch.no_grad():
+        table, stats = select_blocks(
+            q.detach(),
+            k.detach(),
+            doc_id,
+            budget,
+            policy=policy,
+            block_size=block_size,
+            scale=scale,
+        )
+    if triton:
+        from sb_titan_kernels import block_sparse_attention_triton
+
+        return block_sparse_attention_triton(q, k, v, doc_id, table, scale), stats
+    return block_sparse_attention(q, k, v, doc_id, table, scale), stats
