@@ -1,0 +1,50 @@
+"""Triton kernels of sb_titan (shipped as `sb_titan_kernels`): block-sparse attention
+forward/backward over a compressed block table, and the block-mass estimator.
+
+Each kernel file holds its PyTorch reference beside it. Nothing here imports sb_titan
+(imports run model -> attention -> kernels). `sb_titan_kernels.aot` (ahead-of-time
+compilation and resource checks) is tooling and is not imported here.
+"""
+
+from .block_sparse_attn import (
+    ATTN_CONFIGS,
+    BlockSparseAttnFn,
+    BlockTable,
+    attn_tiles,
+    block_sparse_attention_ref,
+    block_sparse_attention_triton,
+    table_block_size,
+    table_token_mask,
+)
+from .common import UPCAST, Tile
+from .estimator import (
+    EST_CONFIGS,
+    block_probs_ref,
+    block_probs_triton,
+    est_tiles,
+    estimate_block_mass_ref,
+    estimate_block_mass_triton,
+    pool_blocks_ref,
+    pool_blocks_triton,
+)
+
+__all__ = [
+    "ATTN_CONFIGS",
+    "EST_CONFIGS",
+    "UPCAST",
+    "BlockSparseAttnFn",
+    "BlockTable",
+    "Tile",
+    "attn_tiles",
+    "block_probs_ref",
+    "block_probs_triton",
+    "block_sparse_attention_ref",
+    "block_sparse_attention_triton",
+    "est_tiles",
+    "estimate_block_mass_ref",
+    "estimate_block_mass_triton",
+    "pool_blocks_ref",
+    "pool_blocks_triton",
+    "table_block_size",
+    "table_token_mask",
+]
