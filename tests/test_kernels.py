@@ -1,0 +1,320 @@
+"""Triton kernels checked without a GPU: numerics under TRITON_INTERPRET=1, and AOT builds.
+
+Both run in child processes. `triton.jit` decides at decoration time whether a kernel is
+interpreted, from the environment of the process that first imports the kernel module.
+Setting TRITON_INTERPRET at the top of this file would do nothing if another test module
+imported the kernels first, and would leak interpreter mode into every test collected
+after it (and into the AOT check, whose ASTSource needs real, non-interpreted kernels).
+So the numerics child gets TRITON_INTERPRET=1 + SB_TRITON_UPCAST=1 (the interpreter's
+bf16 `tl.dot` is wrong), the AOT child gets neither, and both start together so they
+overlap on a 2-core machine. Each child prints one JSON document; the parametrized tests
+below then pass or fail case by case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_S = 600
+
+
+class Table(NamedTuple):
+    kv_count: torch.Tensor
+    kv_index: torch.Tensor
+    q_count: torch.Tensor
+    q_index: torch.Tensor
+
+
+def build_table(keep: torch.Tensor) -> Table:
+    """Brute force: keep [B, Hkv, NB, NB] bool -> compressed kv table and its transpose."""
+    B, H, NB, _ = keep.shape
+    kv_index = torch.zeros(B, H, NB, NB, dtype=torch.int32)
+    q_index = torch.zeros(B, H, NB, NB, dtype=torch.int32)
+    for b in range(B):
+        for h in range(H):
+            for i in range(NB):
+                cols = keep[b, h, i].nonzero().flatten()
+                kv_index[b, h, i, : len(cols)] = cols.to(torch.int32)
+                rows = keep[b, h, :, i].nonzero().flatten()
+                q_index[b, h, i, : len(rows)] = rows.to(torch.int32)
+    kv_count, q_count = keep.sum(-1).to(torch.int32), keep.sum(-2).to(torch.int32)
+    # compressed width: MAXK / MAXQ = the largest count, not NB
+    maxk, maxq = max(int(kv_count.max()), 1), max(int(q_count.max()), 1)
+    return Table(kv_count, kv_index[..., :maxk], q_count, q_index[..., :maxq])
+
+
+def random_keep(B: int, H: int, NB: int, density: float, gen: torch.Generator) -> torch.Tensor:
+    """Causal random block pattern, diagonal always kept (as the selection guarantees)."""
+    keep = torch.rand(B, H, NB, NB, generator=gen) < density
+    return keep.tril(-1) | torch.eye(NB, dtype=torch.bool)
+
+
+def doc_ids(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lengths]
+    ).to(torch.int32)
+
+
+# ------------------------------------------------------------------ numerics (child side)
+
+# Two rows of L=200: three documents incl. one shorter than a block, and two documents.
+DOCS_200 = [[90, 30, 80], [150, 50]]
+
+
+class AttnCase(NamedTuple):
+    dtype: str
+    head_dim: int
+    block: int
+    hq: int
+    hkv: int
+    table: str  # "random" | "full" | "diag" | "holes" (some query blocks keep nothing)
+    strided_q: bool = False
+
+
+ATTN_CASES: dict[str, AttnCase] = {
+    "fp32-d64-bs64-gqa2-random-strided": AttnCase("float32", 64, 64, 4, 2, "random", True),
+    "fp32-d128-bs64-mha-full": AttnCase("float32", 128, 64, 2, 2, "full"),
+    "fp32-d64-bs128-gqa2-diag": AttnCase("float32", 64, 128, 4, 2, "diag"),
+    "fp32-d64-bs64-mha-holes": AttnCase("float32", 64, 64, 2, 2, "holes"),
+    "bf16-d64-bs64-gqa2-random": AttnCase("bfloat16", 64, 64, 4, 2, "random"),
+    "bf16-d128-bs128-gqa2-random": AttnCase("bfloat16", 128, 128, 4, 2, "random"),
+    "bf16-d128-bs64-mha-random": AttnCase("bfloat16", 128, 64, 2, 2, "random"),
+    "fp16-d64-bs128-mha-full": AttnCase("float16", 64, 128, 2, 2, "full"),
+}
+
+# relative tolerance on max|err| / max|ref|: fp32 is exact up to summation order,
+# half types round P and the outputs (bf16 has 8 mantissa bits).
+REL_TOL = {"float32": 2e-5, "bfloat16": 2.5e-2, "float16": 4e-3}
+
+
+def _attn_case(name: str, case: AttnCase) -> dict[str, list[float]]:
+    from sb_titan_kernels.block_sparse_attn import (
+        block_sparse_attention_ref,
+        block_sparse_attention_triton,
+    )
+
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    dtype = getattr(torch, case.dtype)
+    B, L, D = 2, 200, case.head_dim
+    NB = math.ceil(L / case.block)
+    keep = {
+        "random": lambda: random_keep(B, case.hkv, NB, 0.5, gen),
+        "full": lambda: torch.ones(B, case.hkv, NB, NB, dtype=torch.bool).tril(),
+        "diag": lambda: torch.eye(NB, dtype=torch.bool).expand(B, case.hkv, NB, NB).clone(),
+        "holes": lambda: random_keep(B, case.hkv, NB, 0.5, gen) & (torch.arange(NB) != 1)[:, None],
+    }[case.table]()
+    table = build_table(keep)
+    doc = doc_ids(DOCS_200)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    if case.strided_q:  # [B, L, H, D] viewed as [B, H, L, D], as a model's projections give
+        q = rand(B, L, case.hq, D).transpose(1, 2).requires_grad_()
+    else:
+        q = rand(B, case.hq, L, D).requires_grad_()
+    k, v = rand(B, case.hkv, L, D).requires_grad_(), rand(B, case.hkv, L, D).requires_grad_()
+    dout = rand(B, case.hq, L, D)
+
+    out = block_sparse_attention_triton(q, k, v, doc, table)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = block_sparse_attention_ref(q, k, v, doc, table)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    result = {}
+    pairs = zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True)
+    for what, got, want in pairs:
+        got, want = got.double(), want.double()
+        finite = bool(torch.isfinite(got).all())
+        err = (got - want).abs().max().item() if finite else math.inf
+        result[what] = [err, want.abs().max().item()]
+    return result
+
+
+def _estimator_case(
+    dtype: str,
+    head_dim: int,
+    lengths: list[list[int]],
+    block: int,
+    hq: int,
+    hkv: int,
+    end_to_end: bool = True,
+) -> dict:
+    from sb_titan_kernels import estimator as est
+
+    gen = torch.Generator().manual_seed(7)
+    doc = doc_ids(lengths)
+    B, L = doc.shape
+    NB = math.ceil(L / block)
+    q = (3 * torch.randn(B, hq, L, head_dim, generator=gen)).to(getattr(torch, dtype))
+    k = (3 * torch.randn(B, hkv, L, head_dim, generator=gen)).to(getattr(torch, dtype))
+    qp, kp = est.pool_blocks_triton(q, k, block)
+    qp_ref, kp_ref = est.pool_blocks_ref(q, k, block)
+    result = {
+        "qp": [(qp - qp_ref).abs().max().item(), 1.0],
+        "kp": [(kp - kp_ref).abs().max().item(), 1.0],
+    }
+    for i0, i1 in ((0, NB), (NB // 2, NB), (1, 2)):
+        got = est.block_probs_triton(qp, kp, doc, block, i0, i1, dtype=q.dtype)
+        want = est.block_probs_ref(qp_ref, kp_ref, doc, block, i0, i1)
+        err = (got - want).abs().max().item() if bool(torch.isfinite(got).all()) else math.inf
+        result[f"prob[{i0}:{i1}]"] = [err, 1.0]
+    if end_to_end:
+        got = est.estimate_block_mass_triton(q, k, doc, block)
+        err = (got - est.estimate_block_mass_ref(q, k, doc, block)).abs().max().item()
+        result["end-to-end"] = [err, 1.0]
+    return result
+
+
+EST_CASES: dict[str, Callable[[], dict]] = {
+    "est-bf16-d64-bs64-L200-gqa2": lambda: _estimator_case("bfloat16", 64, DOCS_200, 64, 4, 2),
+    # NB=70 spans several query tiles and key chunks; documents start mid-block
+    "est-fp32-d128-bs64-L4480-gqa2": lambda: _estimator_case(
+        "float32", 128, [[1000, 33, 3447]], 64, 2, 1, end_to_end=False
+    ),
+    "est-fp16-d64-bs128-L200-mha": lambda: _estimator_case("float16", 64, DOCS_200, 128, 2, 2),
+}
+
+
+def _child_numerics() -> dict:
+    torch.set_num_threads(1)
+    out = {name: _attn_case(name, case) for name, case in ATTN_CASES.items()}
+    out.update({name: fn() for name, fn in EST_CASES.items()})
+    return out
+
+
+def _child_aot() -> dict:
+    from sb_titan_kernels import aot
+
+    # `ptxas -v` spill counts are left to bench/kernels_report.py; here LOCAL and STACK
+    # from cuobjdump (0 and 0 means no spills) keep the warm run at a few seconds.
+    return {
+        "cuobjdump": aot.cuobjdump_path(),
+        "rows": [r.as_dict() for r in aot.full_report(spills=False)],
+    }
+
+
+# ------------------------------------------------------------------ parent side
+
+
+def _start_child(mode: str, env: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    if mode == "aot":
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("SB_TRITON_UPCAST", None)
+    return subprocess.Popen(
+        [sys.executable, __file__, mode],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _collect(proc: subprocess.Popen) -> dict:
+    try:
+        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        pytest.fail(f"child failed ({proc.returncode}):\n{stderr[-4000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def children() -> dict[str, subprocess.Popen]:
+    procs = {
+        "numerics": _start_child("numerics", {"TRITON_INTERPRET": "1", "SB_TRITON_UPCAST": "1"}),
+        "aot": _start_child("aot", {}),
+    }
+    yield procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def numerics(children) -> dict:
+    return _collect(children["numerics"])
+
+
+@pytest.fixture(scope="module")
+def aot_rows(children) -> dict:
+    return _collect(children["aot"])
+
+
+@pytest.mark.parametrize("name", list(ATTN_CASES))
+def test_attention_matches_reference(numerics: dict, name: str) -> None:
+    tol = REL_TOL[ATTN_CASES[name].dtype]
+    for what, (err, scale) in numerics[name].items():
+        assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g} scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", list(EST_CASES))
+def test_estimator_matches_reference(numerics: dict, name: str) -> None:
+    for what, (err, _) in numerics[name].items():
+        assert err <= 1e-5, f"{name} {what}: err {err:.3g}"
+
+
+def test_aot_every_shipped_config(aot_rows: dict) -> None:
+    rows = aot_rows["rows"]
+    kernels = {"fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "est_pool", "est_probs"}
+    assert {r["kernel"] for r in rows} == kernels
+    assert len(rows) == len(kernels) * 2 * 2 * 2 * 2  # dtype x head_dim x block x arch
+    assert aot_rows["cuobjdump"], "no cuobjdump: only shared memory could be checked"
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, f"spills or shared memory over the limit: {bad}"
+    assert all(r["local"] == 0 and r["stack"] == 0 for r in rows)
+    assert all(0 < r["regs"] <= 255 for r in rows)
+
+
+# ------------------------------------------------------------------ plain CPU tests
+
+
+def test_reference_full_table_is_dense_document_attention() -> None:
+    from sb_titan_kernels.block_sparse_attn import block_sparse_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    doc = doc_ids(DOCS_200)
+    q = torch.randn(2, 4, 200, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 200, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    full = build_table(torch.ones(2, 2, 4, 4, dtype=torch.bool).tril())
+    mask = (doc[:, :, None] == doc[:, None, :]) & torch.ones(200, 200, dtype=torch.bool).tril()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], enable_gqa=True
+    )
+    torch.testing.assert_close(block_sparse_attention_ref(q, k, v, doc, full), want)
+
+
+def test_estimator_reference_is_a_distribution_over_allowed_blocks() -> None:
+    from sb_titan_kernels.estimator import estimate_block_mass_ref
+
+    doc = doc_ids([[100, 40, 60]])  # blocks of 64: doc 0 = blocks 0-1, doc 1 and 2 share 2
+    q, k = torch.randn(1, 2, 200, 16), torch.randn(1, 1, 200, 16)
+    prob = estimate_block_mass_ref(q, k, doc, 64)[0, 0]
+    torch.testing.assert_close(prob.sum(-1), torch.ones(4))
+    # first docs per block 0,0,1,2; last docs 0,1,2,2: block j < i is allowed when it
+    # ends in the document block i starts in
+    allowed = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool
+    )
+    assert (prob[~allowed] == 0).all()
+
+
+if __name__ == "__main__":
+    result = {"numerics": _child_numerics, "aot": _child_aot}[sys.argv[1]]()
+    print(json.dumps(result))
