@@ -39,6 +39,9 @@ def sb_titan_base() -> SBTrainer.Config:
         checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
         activation_checkpoint=None,
     )
+    # The plain baseline; configs turn on SAB / DST with a latency profile.
+    config.sab.policy = "sequential"
+    config.dst.enabled = False
     config.rebuild_model_spec()
     return config
 

@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -779,3 +779,77 @@ class CostModel:
         """Hash of the profile and the learned state, to assert ranks agree."""
         blob = json.dumps(self.state_dict(), sort_keys=True).encode()
         return hashlib.sha1(blob).hexdigest()
+
+
+# -- configuration ([cost_model]) ---------------------------------------------------
+
+ANALYTIC_DEVICES: dict[str, dict[str, float]] = {
+    # Dense BF16 peak; efficiencies are assumptions (docs/cost_model.md), not measurements.
+    "h100": {"peak_flops": 989e12, "gemm_efficiency": 0.6, "attn_efficiency": 0.4},
+    "h200": {"peak_flops": 989e12, "gemm_efficiency": 0.62, "attn_efficiency": 0.42},
+    # One CPU core in fp32: a rough order of magnitude, for wiring tests only.
+    "cpu": {"peak_flops": 5e10, "gemm_efficiency": 0.5, "attn_efficiency": 0.2},
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class CostModelConfig:
+    """The `[cost_model]` section."""
+
+    profile: str | None = None
+    """A `sb-profile` JSON measured on this device for this model and stage split."""
+    analytic_device: str | None = None
+    """Explicit opt-in FLOP model instead of (or when missing) a profile: h100, h200, cpu."""
+    strict_fingerprint: bool = False
+    """A profile measured on another device/software/model is an error, not a warning."""
+    refit: bool = True
+    """Recalibrate online from measured micro-batch times (identical on every rank)."""
+    drift_threshold: float = 0.15
+    """Warn when the prediction error's moving average exceeds this fraction."""
+
+    def __post_init__(self) -> None:
+        if self.analytic_device is not None and self.analytic_device not in ANALYTIC_DEVICES:
+            raise ValueError(
+                f"cost_model.analytic_device: {self.analytic_device!r} is not one of "
+                f"{sorted(ANALYTIC_DEVICES)}"
+            )
+
+
+def analytic_spec(
+    device: str,
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    layers: int,
+    vocab_size: int = 0,
+    block_size: int = 64,
+) -> AnalyticSpec:
+    return AnalyticSpec(
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        layers=layers,
+        vocab_size=vocab_size,
+        block_size=block_size,
+        device_name=f"analytic-{device}",
+        **ANALYTIC_DEVICES[device],
+    )
+
+
+def build_cost_model(
+    config: CostModelConfig, spec_for: Callable[[str], AnalyticSpec], expected: dict[str, Any]
+) -> CostModel | None:
+    """The run's cost model, or None when neither a profile nor the analytic fallback
+    was configured (callers that need one say which command makes it)."""
+    fallback = spec_for(config.analytic_device) if config.analytic_device else None
+    if config.profile is None:
+        return CostModel.analytic(fallback) if fallback is not None else None
+    model = CostModel.from_file(config.profile, analytic=fallback)
+    if model.profile.source != "<memory>":
+        model.check_fingerprint(expected, strict=config.strict_fingerprint)
+    return model

@@ -14,8 +14,10 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+import tyro
 
 from sb_titan.cost_model import POLICIES, CostModel, Unit
 
@@ -39,8 +41,10 @@ class DSTConfig:
     """Floor for bottlenecks (accuracy guard)."""
     beta_max: float = 1.0
     """Ceiling for non-bottlenecks."""
-    policy: str = "mass"
-    """Selection policy the budget feeds: one of cost_model.POLICIES."""
+    policy: Annotated[str, tyro.conf.Suppress] = "mass"
+    """Selection policy the budget feeds; the trainer sets it from [sparse_attention]."""
+    verify_ranks: bool = False
+    """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:

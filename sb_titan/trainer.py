@@ -1,31 +1,44 @@
-"""SBTrainer: TorchTitan's Trainer with the recipe's per-micro-batch attention metadata.
+"""SBTrainer: TorchTitan's Trainer with per-micro-batch budgets, measured and balanced.
 
 What it adds to the stock trainer, and nothing else:
-  * recipe config sections ([model], [sparse_attention], [sab], [dst]);
-  * wiring of the global step plan into the loader and per-micro-batch budgets into
-    the attention (`attention_masks` = AttnMeta(doc_id, budget));
-  * per-step measurements (realised density, recall, per-micro-batch time) logged
-    to TensorBoard next to TorchTitan's own loss / step-time / tokens-per-second.
+  * recipe config sections ([model], [sparse_attention], [sab], [dst], [cost_model]);
+  * the global step plan from the loader → DST budgets for every (DP rank,
+    micro-batch), identical on every rank → `attention_masks = AttnMeta(doc_id, budget,
+    microbatch)`, which the pipeline schedule hands to every stage;
+  * per-micro-batch measurements (time per stage, realised density, recall),
+    all-gathered so every rank refits the cost model and feeds SAB identically;
+  * TensorBoard scalars next to TorchTitan's loss / step time / tokens per second.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
-from sb_titan.attention.module import SBAttention, SparseAttentionConfig
-from sb_titan.dst import DSTConfig
+from sb_titan.attention.module import ATTENTION_OBSERVERS, SBAttention, SparseAttentionConfig
+from sb_titan.cost_model import (
+    AnalyticSpec,
+    CostModel,
+    CostModelConfig,
+    LatencyObservation,
+    analytic_spec,
+    build_cost_model,
+)
+from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
 from sb_titan.models.qwen2_5 import model_registry
 from sb_titan.sab import SABConfig, StepPlan
-from sb_titan.schedule import MicrobatchTimer, microbatch_context
-
-_RECIPE_KEYS = ("plan", "microbatch")
+from sb_titan.schedule import MicrobatchTimer, current_microbatch, microbatch_context
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,6 +58,7 @@ class SBTrainer(Trainer):
         sparse_attention: SparseAttentionConfig = field(default_factory=SparseAttentionConfig)
         sab: SABConfig = field(default_factory=SABConfig)
         dst: DSTConfig = field(default_factory=DSTConfig)
+        cost_model: CostModelConfig = field(default_factory=CostModelConfig)
 
         def rebuild_model_spec(self) -> None:
             """model_spec is hidden from the CLI; it is always derived from [model] and
@@ -54,62 +68,33 @@ class SBTrainer(Trainer):
                 attention=self.sparse_attention,
                 tie_embeddings=self.model.tie_embeddings,
             )
+            self.dst.policy = self.sparse_attention.policy
 
     def __init__(self, config: Config) -> None:
-        self._configure_loader(config)
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
+        self._decision: DSTDecision | None = None
         self._mb_timer = MicrobatchTimer()
+        self.cost_model = _cost_model(config)
+        _configure_loader(config, copy.deepcopy(self.cost_model))
         super().__init__(config)
+        if config.sparse_attention.record:
+            ATTENTION_OBSERVERS.append(self._record_attention)
 
-    # -- set-up ------------------------------------------------------------------------
-    @staticmethod
-    def _configure_loader(config: Config) -> None:
-        """The loader plans whole steps, so it must know the micro-batches per step."""
-        p = config.parallelism
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        non_dp = p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
-        dp = world // non_dp
-        local_bs = config.training.local_batch_size
-        global_bs = config.training.global_batch_size
-        grad_accum = 1 if global_bs < 0 else global_bs // (local_bs * dp)
-        pp_mbs = (
-            local_bs // p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else 1
-        )
-        loader = config.dataloader
-        if hasattr(loader, "microbatches_per_step"):
-            loader.microbatches_per_step = grad_accum * pp_mbs
-            loader.sab = config.sab
-
-    # -- per micro-batch metadata ------------------------------------------------------------
+    # -- per micro-batch metadata -----------------------------------------------------------
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor):
         plan, mb_index = input_dict.pop("plan"), input_dict.pop("microbatch")
-        if getattr(self.config.dataloader, "sample_log", False):
-            self._log_samples(plan, mb_index)
+        budget = self._budget_of(plan, mb_index)
+        if self.config.dataloader.sample_log:
+            self._log_samples(plan, mb_index, budget)
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
-        budget = self._budget_of(plan, mb_index)
         extra["attention_masks"] = AttnMeta(
             doc_id=doc_ids_from_positions(positions),
             budget=torch.full((positions.shape[0],), budget, device=positions.device),
+            microbatch=torch.tensor(mb_index),
         )
         return inputs, labels, extra
-
-    def _log_samples(self, plan: StepPlan, mb_index: int) -> None:
-        rank = self._dp_rank()
-        rows = plan.microbatches[rank][mb_index].rows
-        record = {
-            "step": self.step,
-            "plan_step": plan.step,
-            "microbatch": mb_index,
-            "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
-        }
-        os.makedirs(self.config.dump_folder, exist_ok=True)
-        path = os.path.join(
-            self.config.dump_folder, f"samples_rank{torch.distributed.get_rank()}.jsonl"
-        )
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
 
     def _budget_of(self, plan: StepPlan, mb_index: int) -> float:
         if self._step_plan is None or plan.step != self._step_plan.step:
@@ -118,16 +103,36 @@ class SBTrainer(Trainer):
         return self._budgets[self._dp_rank()][mb_index]
 
     def _step_budgets(self, plan: StepPlan) -> list[list[float]]:
-        """Budget of every (DP rank, micro-batch) of the step, identical on all ranks."""
-        beta0 = self.config.dst.beta0
-        return [[beta0] * len(rank) for rank in plan.microbatches]
+        """Budget of every (DP rank, micro-batch) of the step: a pure function of the
+        shared plan and the (identically refit) cost model, so every rank agrees."""
+        cfg = self.config.dst
+        shape = [len(rank) for rank in plan.microbatches]
+        if self.cost_model is None:
+            self._decision = None
+            return [[cfg.beta0] * n for n in shape]
+        if self.parallel_dims.pp_enabled:  # unit: a micro-batch (on the slowest stage)
+            units = [[mb.doc_lens] for rank in plan.microbatches for mb in rank]
+        else:  # unit: a DP rank's micro-batches (their summed time meets at the reduction)
+            units = [[mb.doc_lens for mb in rank] for rank in plan.microbatches]
+        self._decision = tune_budgets(units, self.cost_model, cfg)
+        if cfg.verify_ranks:
+            _assert_same_everywhere(self._decision.digest(), f"DST budgets of step {plan.step}")
+        flat = iter(self._decision.budgets)
+        if self.parallel_dims.pp_enabled:
+            return [[next(flat) for _ in range(n)] for n in shape]
+        return [[b] * n for b, n in zip(flat, shape, strict=True)]
 
     def _dp_rank(self) -> int:
         if not self.parallel_dims.dp_enabled:
             return 0
         return self.parallel_dims.get_mesh("batch").get_local_rank()
 
-    # -- measurement -----------------------------------------------------------------------
+    def _pp_rank(self) -> int:
+        if not self.parallel_dims.pp_enabled:
+            return 0
+        return self.parallel_dims.get_mesh("pp").get_local_rank()
+
+    # -- measurement ---------------------------------------------------------------------------
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
         if self.parallel_dims.pp_enabled:
             return super().forward_backward_step(
@@ -144,42 +149,294 @@ class SBTrainer(Trainer):
 
     def train_step(self, data_iterator) -> None:
         self._mb_timer.reset()
+        t0 = _now(self.device)
         super().train_step(data_iterator)
-        self._log_recipe_metrics()
+        self._after_step(_now(self.device) - t0)
+
+    def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
+        timer = self.pp_schedule.timer if self.parallel_dims.pp_enabled else self._mb_timer
+        seconds: dict[int, float] = {}
+        for (_, mb, _), s in timer.seconds.items():
+            seconds[mb] = seconds.get(mb, 0.0) + s
+        stats: dict[int, list[float]] = {}
+        for module in self._attention_modules():
+            for mb, t in module.pop_stats().items():
+                acc = stats.setdefault(mb, [0.0, 0.0, 0.0])
+                for i, v in enumerate(t.tolist()):
+                    acc[i] += v
+        return {
+            "dp": self._dp_rank(),
+            "pp": self._pp_rank(),
+            "seconds": seconds,
+            "stats": stats,
+            "step_seconds": step_seconds,
+        }
+
+    def _after_step(self, step_seconds: float) -> None:
+        """Gather every rank's measurements; all ranks then do identical work with them."""
+        local = self._local_measurements(step_seconds)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        plan = self._step_plan
+        if plan is None:
+            return
+        m = _StepMeasurements.from_gathered(gathered, plan, self._budgets)
+        if self.cost_model is not None:
+            policy = self.config.dst.policy
+            predicted = [  # before this step's refit: an honest error
+                self.cost_model.predict_budget(mb.doc_lens, self._budgets[r][i], policy)
+                for r, rank in enumerate(plan.microbatches)
+                for i, mb in enumerate(rank)
+            ]
+            observations = m.observations(plan)
+            if self.config.cost_model.refit and observations:
+                self.cost_model.refit(observations)
+            self.cost_model.density_model.update(m.density_observations(plan))
+        else:
+            predicted = None
+        planner = getattr(self.dataloader, "planner", None)
+        if planner is not None and hasattr(planner, "observe"):
+            ids, dens = m.sample_densities(plan)
+            planner.observe(ids, dens, step=plan.step)
+        if self.metrics_processor.should_log(self.step):
+            self._log_recipe_metrics(m, predicted)
 
     def _attention_modules(self) -> list[SBAttention]:
         return [
             m for part in self.model_parts for m in part.modules() if isinstance(m, SBAttention)
         ]
 
-    def _log_recipe_metrics(self) -> None:
-        sums = torch.zeros(3)
-        for module in self._attention_modules():
-            sums += module.pop_stats().cpu()
-        if not self.metrics_processor.should_log(self.step):
-            return
-        if self.parallel_dims.dp_enabled:
-            mesh = self.parallel_dims.get_mesh("batch")
-            sums = sums.to(self.device)
-            torch.distributed.all_reduce(sums, group=mesh.get_group())
-            sums = sums.cpu()
-        density_sum, recall_sum, rows = sums.tolist()
-        metrics = {}
-        if rows > 0:
-            metrics["sparsity/density"] = density_sum / rows
-            metrics["sparsity/recall"] = recall_sum / rows
+    def _log_recipe_metrics(self, m: _StepMeasurements, predicted) -> None:
+        metrics = m.metrics()
         if self._budgets:
             flat = [b for rank in self._budgets for b in rank]
-            metrics["dst/budget_mean"] = sum(flat) / len(flat)
-            metrics["dst/budget_min"] = min(flat)
-            metrics["dst/budget_max"] = max(flat)
-        if metrics:
-            self.metrics_processor.logger.log(metrics, self.step)
+            metrics.update(
+                {
+                    "dst/budget_mean": float(np.mean(flat)),
+                    "dst/budget_min": min(flat),
+                    "dst/budget_max": max(flat),
+                }
+            )
+        if self._decision is not None:
+            d = self._decision
+            metrics.update(
+                {
+                    "dst/anchor_s": d.anchor_s,
+                    "dst/raised": d.n_raised,
+                    "dst/lowered": d.n_lowered,
+                    "dst/clamped": d.n_clamped,
+                    "dst/predicted_imbalance_before": d.imbalance_before,
+                    "dst/predicted_imbalance_after": d.imbalance_after,
+                }
+            )
+        if predicted is not None and self.cost_model is not None:
+            measured = np.asarray(m.unit_seconds_flat())
+            ape = np.abs(np.asarray(predicted) - measured) / np.maximum(measured, 1e-12)
+            metrics["cost_model/ape_mean"] = float(ape.mean())
+            warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
+            if warning:
+                logger.warning(warning)
+        self.metrics_processor.logger.log(metrics, self.step)
+
+    # -- debug logs ----------------------------------------------------------------------------
+    def _rank_file(self, stem: str) -> str:
+        os.makedirs(self.config.dump_folder, exist_ok=True)
+        return os.path.join(self.config.dump_folder, f"{stem}_rank{dist.get_rank()}.jsonl")
+
+    def _log_samples(self, plan: StepPlan, mb_index: int, budget: float) -> None:
+        rows = plan.microbatches[self._dp_rank()][mb_index].rows
+        record = {
+            "step": self.step,
+            "plan_step": plan.step,
+            "microbatch": mb_index,
+            "budget": budget,
+            "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
+        }
+        with open(self._rank_file("samples"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _record_attention(self, module: SBAttention, meta: AttnMeta, phase: str) -> None:
+        ctx = current_microbatch()
+        doc_lens = [
+            torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in meta.doc_id
+        ]
+        record = {
+            "step": self.step,
+            "phase": phase,
+            "stage": None if ctx is None else ctx.stage,
+            "schedule_microbatch": None if ctx is None else ctx.microbatch,
+            "microbatch": int(meta.microbatch),
+            "budget": meta.budget.tolist(),
+            "doc_lens": doc_lens,
+            "sparse": module.config.sparse,
+        }
+        with open(self._rank_file("attention"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    # -- checkpointing ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.cost_model is not None:
+            state["cost_model"] = json.dumps(self.cost_model.state_dict())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self.cost_model is not None and "cost_model" in state_dict:
+            self.cost_model.load_state_dict(json.loads(state_dict["cost_model"]))
+
+
+@dataclass
+class _StepMeasurements:
+    """One step's measurements from every rank, keyed by (DP rank, micro-batch)."""
+
+    seconds: dict[tuple[int, int], float]  # slowest stage's fwd+bwd time
+    rank_compute: dict[tuple[int, int], float]  # (dp, pp) -> summed compute seconds
+    step_seconds: float
+    density: dict[tuple[int, int], float]
+    recall: dict[tuple[int, int], float]
+    budgets: list[list[float]]
+
+    @classmethod
+    def from_gathered(cls, gathered: list[dict], plan: StepPlan, budgets) -> _StepMeasurements:
+        seconds: dict[tuple[int, int], float] = {}
+        rank_compute: dict[tuple[int, int], float] = {}
+        sums: dict[tuple[int, int], list[float]] = {}
+        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
+            rank_compute[(g["dp"], g["pp"])] = sum(g["seconds"].values())
+            for mb, s in g["seconds"].items():
+                key = (g["dp"], int(mb))
+                seconds[key] = max(seconds.get(key, 0.0), s)
+            for mb, (d, r, n) in g["stats"].items():
+                acc = sums.setdefault((g["dp"], int(mb)), [0.0, 0.0, 0.0])
+                acc[0], acc[1], acc[2] = acc[0] + d, acc[1] + r, acc[2] + n
+        density = {k: v[0] / v[2] for k, v in sums.items() if v[2] > 0}
+        recall = {k: v[1] / v[2] for k, v in sums.items() if v[2] > 0}
+        step = max(g["step_seconds"] for g in gathered)
+        return cls(seconds, rank_compute, step, density, recall, budgets)
+
+    def observations(self, plan: StepPlan) -> list[LatencyObservation]:
+        out = []
+        for (dp, mb), s in sorted(self.seconds.items()):
+            lens = plan.microbatches[dp][mb].doc_lens
+            rho = self.density.get((dp, mb), 1.0)
+            out.append(LatencyObservation(lens, [rho] * len(lens), s))
+        return out
+
+    def density_observations(self, plan: StepPlan) -> list[tuple[float, int, float]]:
+        """(budget, length, density) per micro-batch, the density attributed to its
+        longest document (it holds most of the causal block pairs)."""
+        out = []
+        for (dp, mb), rho in sorted(self.density.items()):
+            lens = plan.microbatches[dp][mb].doc_lens
+            if lens:
+                out.append((self.budgets[dp][mb], max(lens), rho))
+        return out
+
+    def sample_densities(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        ids, dens = [], []
+        for (dp, mb), rho in sorted(self.density.items()):
+            for row in plan.microbatches[dp][mb].rows:
+                for piece in row:
+                    ids.append(piece.sample_id)
+                    dens.append(rho)
+        return ids, dens
+
+    def unit_seconds_flat(self) -> list[float]:
+        return [s for _, s in sorted(self.seconds.items())]
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        mb_times = np.asarray(self.unit_seconds_flat())
+        if len(mb_times):
+            out["balance/microbatch_imbalance"] = float(mb_times.max() / mb_times.mean())
+        per_dp: dict[int, float] = {}
+        for (dp, _), s in self.seconds.items():
+            per_dp[dp] = per_dp.get(dp, 0.0) + s
+        if per_dp:
+            v = np.asarray(list(per_dp.values()))
+            out["balance/rank_imbalance"] = float(v.max() / v.mean())
+            out["balance/rank_compute_max_s"] = float(v.max())
+            out["balance/rank_compute_mean_s"] = float(v.mean())
+        if self.step_seconds > 0 and self.rank_compute:
+            busy = np.asarray(list(self.rank_compute.values())) / self.step_seconds
+            out["balance/bubble_share"] = float(np.clip(1.0 - busy, 0.0, 1.0).mean())
+        if self.density:
+            out["sparsity/density"] = float(np.mean(list(self.density.values())))
+            out["sparsity/recall"] = float(np.mean(list(self.recall.values())))
+        return out
+
+
+def _cost_model(config: SBTrainer.Config) -> CostModel | None:
+    """The run's latency predictor; needed by DST and by the `sab` packing policy."""
+    model_cfg = config.model_spec.model
+    attn = model_cfg.layers[0].attention
+    pp = config.parallelism.pipeline_parallel_degree
+
+    def spec_for(device: str) -> AnalyticSpec:
+        return analytic_spec(
+            device,
+            hidden=model_cfg.dim,
+            heads=attn.n_heads,
+            kv_heads=attn.n_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=model_cfg.layers[0].feed_forward.w1.out_features,
+            layers=max(1, len(model_cfg.layers) // pp),
+            vocab_size=model_cfg.vocab_size,
+            block_size=config.sparse_attention.block_size,
+        )
+
+    expected = {"block_size": config.sparse_attention.block_size}
+    if config.cost_model.profile:
+        from sb_titan.profile import current_fingerprint
+
+        expected = current_fingerprint(config)
+    model = build_cost_model(config.cost_model, spec_for, expected)
+    wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
+    needs = [name for name, on in wants if on]
+    if model is None and needs:
+        raise ValueError(
+            f"{' and '.join(needs)} need a latency profile: run `sb-profile --config <this "
+            "config> --out profiles/NAME.json` and set cost_model.profile, or opt in to "
+            "the analytic model with cost_model.analytic_device = 'h100' | 'h200' | 'cpu'"
+        )
+    return model
+
+
+def _configure_loader(config: SBTrainer.Config, loader_cost_model: CostModel | None) -> None:
+    """The loader plans whole steps, so it must know the micro-batches per step, the
+    packing policy and predicted latency. It gets its own (never refit) cost model:
+    it plans ahead in a prefetch thread, and plans must not depend on when a refit ran."""
+    loader = config.dataloader
+    if not hasattr(loader, "microbatches_per_step"):
+        return
+    p = config.parallelism
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = world // (
+        p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    )
+    local_bs = config.training.local_batch_size
+    global_bs = config.training.global_batch_size
+    grad_accum = 1 if global_bs < 0 else global_bs // (local_bs * dp)
+    pp_mbs = (
+        local_bs // p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else 1
+    )
+    loader.microbatches_per_step = grad_accum * pp_mbs
+    loader.sab = config.sab
+    if loader_cost_model is not None:
+        beta0, policy = config.dst.beta0, config.dst.policy
+        loader.cost_fn = loader_cost_model.predict
+        loader.density_prior = lambda n: loader_cost_model.density_for_budget(beta0, n, policy)
+
+
+def _assert_same_everywhere(digest: str, what: str) -> None:
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"ranks disagree on {what}: {digests}")
 
 
 def _now(device: torch.device) -> float:
-    import time
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

@@ -15,6 +15,7 @@ import torch
 class AttnMeta(NamedTuple):
     doc_id: torch.Tensor  # [B, L] int32: document index of each token within its row
     budget: torch.Tensor  # [B] float32: attention budget beta of each row
+    microbatch: torch.Tensor | None = None  # 0-d int64 on CPU: index within the step
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:

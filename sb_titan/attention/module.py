@@ -33,6 +33,9 @@ class SparseAttentionConfig:
     """`auto`: Triton on CUDA tensors, PyTorch on CPU; `torch` / `triton` force one."""
     dense_layers: list[int] = field(default_factory=lambda: [0])
     """Layer indices that stay dense (negative indices count from the end)."""
+    record: bool = False
+    """Debug: log every attention call's stage, micro-batch, phase, budget and document
+    layout to dump_folder/attention_rank<r>.jsonl (what the schedule tests check)."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -59,9 +62,9 @@ class SBAttention(Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Per-step sums of realised density and recall over rows (kept on device,
-        read once per step, so logging adds no per-layer host sync)."""
-        self.stats: list[torch.Tensor] = []
+        """Per-micro-batch sums of realised density and recall over rows (kept on
+        device, read once per step, so measuring adds no per-layer host sync)."""
+        self.stats: dict[int, list[torch.Tensor]] = {}
 
     def forward(
         self,
@@ -81,7 +84,7 @@ class SBAttention(Module):
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         doc_id, budget = attention_masks.doc_id, attention_masks.budget
         for observer in ATTENTION_OBSERVERS:
-            observer(self, attention_masks)
+            observer(self, attention_masks, "forward")
         if self.config.sparse:
             from sb_titan.attention.sparse import sparse_attention
 
@@ -96,28 +99,35 @@ class SBAttention(Module):
                 scale=scale,
                 backend=self.config.backend,
             )
-            self._record(stats.density, stats.recall)
+            self._record(attention_masks, stats.density, stats.recall)
         else:
             out = dense_document_attention(q, k, v, doc_id, scale)
-            ones = torch.ones(doc_id.shape[0], device=q.device)
-            self._record(ones, ones)
+        if ATTENTION_OBSERVERS and out.requires_grad:
+            out.register_hook(lambda grad: _notify_backward(self, attention_masks))
         return out.transpose(1, 2)
 
     @torch.no_grad()
-    def _record(self, density: torch.Tensor, recall: torch.Tensor) -> None:
+    def _record(self, meta: AttnMeta, density: torch.Tensor, recall: torch.Tensor) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # activation-checkpoint recompute inside backward: already counted
-        self.stats.append(
-            torch.stack([density.sum(), recall.sum(), density.new_tensor(density.numel())])
-        )
+        mb = 0 if meta.microbatch is None else int(meta.microbatch)
+        rows = density.new_tensor(density.numel())
+        self.stats.setdefault(mb, []).append(torch.stack([density.sum(), recall.sum(), rows]))
 
-    def pop_stats(self) -> torch.Tensor:
-        """[density_sum, recall_sum, rows] since the last call."""
-        total = torch.stack(self.stats).sum(0) if self.stats else torch.zeros(3)
-        self.stats = []
-        return total
+    def pop_stats(self) -> dict[int, torch.Tensor]:
+        """micro-batch -> [density_sum, recall_sum, rows] of the sparse layers since the
+        last call (dense layers are not counted: density refers to sparse layers)."""
+        out = {mb: torch.stack(v).sum(0) for mb, v in self.stats.items()}
+        self.stats = {}
+        return out
+
+
+def _notify_backward(module: SBAttention, meta: AttnMeta) -> None:
+    for observer in ATTENTION_OBSERVERS:
+        observer(module, meta, "backward")
 
 
 ATTENTION_OBSERVERS: list = []
-"""Callables `(module, attn_meta)` run at every attention forward (and recompute);
-tests use them to record which budget and document layout each stage saw."""
+"""Callables `(module, attn_meta, phase)` run at every attention forward (and
+recompute) and when its backward reaches the attention output; the trainer's
+attention recorder uses them to show which budget and layout each stage computed with."""

@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 
 from sb_titan.data.source import TokenSource
-from sb_titan.sab import CostFn, MicroBatchPlan, Planner, SABConfig, StepPlan
+from sb_titan.sab import CostFn, DensityPrior, MicroBatchPlan, Planner, SABConfig, StepPlan
 
 IGNORE_INDEX = -100
 
@@ -136,7 +136,9 @@ class SBDataLoader(BaseDataLoader):
         sab: Annotated[SABConfig, tyro.conf.Suppress] = field(default_factory=SABConfig)
         """Set by the trainer from the top-level [sab] section."""
         cost_fn: Annotated[CostFn | None, tyro.conf.Suppress] = None
-        """Set by the trainer: predicted micro-batch latency at the default budget."""
+        """Set by the trainer: predicted micro-batch latency (doc lens, densities)."""
+        density_prior: Annotated[DensityPrior | None, tyro.conf.Suppress] = None
+        """Set by the trainer: expected density of an unseen document at the default budget."""
 
     def __init__(
         self,
@@ -164,6 +166,7 @@ class SBDataLoader(BaseDataLoader):
             rows_per_microbatch=local_batch_size,
             config=config.sab,
             cost_fn=cost_fn,
+            density_prior=config.density_prior,
         )
         node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner), dp_rank)
         node = Mapper(node, self._pack)
@@ -200,7 +203,8 @@ class SBDataLoader(BaseDataLoader):
 
 
 def _token_count_cost(doc_lens: list[int]) -> float:
-    """Fallback 'latency' when no cost model is wired in: tokens plus quadratic term."""
+    """Stand-in 'latency' when no cost model is configured (only the `sequential` and
+    `tokens` policies run without one): tokens plus the quadratic attention term."""
     return float(sum(doc_lens)) + float(sum(n * n for n in doc_lens)) / 4096.0
 
 
