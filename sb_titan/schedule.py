@@ -30,6 +30,8 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
+from sb_titan.attention.module import measurement_paused
+
 
 @dataclass(frozen=True, slots=True)
 class MicrobatchContext:
@@ -105,6 +107,14 @@ class MicrobatchAwareSchedule:
             return out
 
         return run
+
+    def _initialize_stage(self, *args, **kwargs):
+        with measurement_paused():  # metadata inference runs a forward: not a micro-batch
+            return super()._initialize_stage(*args, **kwargs)
+
+    def _initialize_stages(self, *args, **kwargs):
+        with measurement_paused():
+            return super()._initialize_stages(*args, **kwargs)
 
     def step(
         self,

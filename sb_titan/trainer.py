@@ -250,6 +250,7 @@ class SBTrainer(Trainer):
             "plan_step": plan.step,
             "microbatch": mb_index,
             "budget": budget,
+            "step_budgets": self._budgets,
             "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
         }
         with open(self._rank_file("samples"), "a") as f:

@@ -8,6 +8,8 @@ the metadata of the micro-batch it is running.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -83,7 +85,8 @@ class SBAttention(Module):
             )
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         doc_id, budget = attention_masks.doc_id, attention_masks.budget
-        for observer in ATTENTION_OBSERVERS:
+        measuring = not _paused
+        for observer in ATTENTION_OBSERVERS if measuring else ():
             observer(self, attention_masks, "forward")
         if self.config.sparse:
             from sb_titan.attention.sparse import sparse_attention
@@ -99,10 +102,11 @@ class SBAttention(Module):
                 scale=scale,
                 backend=self.config.backend,
             )
-            self._record(attention_masks, stats.density, stats.recall)
+            if measuring:
+                self._record(attention_masks, stats.density, stats.recall)
         else:
             out = dense_document_attention(q, k, v, doc_id, scale)
-        if ATTENTION_OBSERVERS and out.requires_grad:
+        if measuring and ATTENTION_OBSERVERS and out.requires_grad:
             out.register_hook(lambda grad: _notify_backward(self, attention_masks))
         return out.transpose(1, 2)
 
@@ -120,6 +124,20 @@ class SBAttention(Module):
         out = {mb: torch.stack(v).sum(0) for mb, v in self.stats.items()}
         self.stats = {}
         return out
+
+
+_paused: list[bool] = []
+
+
+@contextlib.contextmanager
+def measurement_paused() -> Iterator[None]:
+    """Forwards that are not training compute (the pipeline's shape/metadata
+    inference) must not count in the statistics or reach the observers."""
+    _paused.append(True)
+    try:
+        yield
+    finally:
+        _paused.pop()
 
 
 def _notify_backward(module: SBAttention, meta: AttnMeta) -> None:

@@ -1,0 +1,119 @@
+"""DST through the pipeline schedules, with real torchrun processes (CPU, gloo).
+
+An attention recorder logs every attention call (forward, and when backward reaches
+it) with the stage and micro-batch the schedule was running; the trainer logs the
+plan's budget and rows per micro-batch. Every stage of every micro-batch must have
+computed with exactly the budget and document layout the plan gave that micro-batch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from conftest import sample_log, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+DST = [
+    "--dst.enabled",
+    "--dst.verify_ranks",
+    "--dst.beta0",
+    "0.6",
+    "--dst.beta_min",
+    "0.2",
+    "--dst.p",
+    "0.05",
+    "--cost_model.analytic_device",
+    "cpu",
+    "--sparse_attention.policy",
+    "topk",
+    "--sparse_attention.record",
+    "--dataloader.sample_log",
+    "--training.steps",
+    "2",
+]
+
+
+def _records(dump: Path, rank: int) -> list[dict]:
+    path = dump / f"attention_rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _expected_layout(rows: list, seq_len: int) -> list[list[int]]:
+    out = []
+    for row in rows:
+        lens = [length for _, _, length in row]
+        pad = seq_len - sum(lens)
+        out.append(lens + ([pad] if pad else []))
+    return out
+
+
+def _check_every_stage(dump: Path, ranks: list[int], seq_len: int) -> set[float]:
+    plan = {}  # (step, microbatch) -> (budget, layout); PP ranks share DP rank 0
+    for entry in sample_log(dump, 0):
+        plan[(entry["step"], entry["microbatch"])] = (
+            entry["budget"],
+            _expected_layout(entry["rows"], seq_len),
+        )
+    seen = defaultdict(set)
+    for rank in ranks:
+        for rec in _records(dump, rank):
+            key = (rec["step"], rec["microbatch"])
+            assert rec["schedule_microbatch"] == rec["microbatch"], rec
+            budget, layout = plan[key]
+            assert rec["budget"] == [pytest.approx(budget)] * len(rec["budget"]), rec
+            assert rec["doc_lens"] == layout, rec
+            seen[(rec["stage"], rec["phase"])].add(key)
+    stages = {stage for stage, _ in seen}
+    assert len(stages) >= 2
+    for stage in stages:  # forward and backward of every micro-batch on every stage
+        assert seen[(stage, "forward")] == set(plan), stage
+        assert seen[(stage, "backward")] == set(plan), stage
+    return {budget for budget, _ in plan.values()}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "extra"),
+    [
+        ("1F1B", []),
+        ("GPipe", []),
+        # 4 virtual stages on 2 ranks: embeddings | layer 0 | layer 1 | norm + head
+        ("Interleaved1F1B", ["--parallelism.pipeline_parallel_layers_per_stage", "1"]),
+    ],
+)
+def test_pp_every_stage_uses_the_plans_budget_and_layout(tmp_path, schedule, extra):
+    torchrun(
+        2,
+        [
+            *DST,
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_parallel_schedule",
+            schedule,
+            "--parallelism.pipeline_parallel_microbatch_size",
+            "1",
+            "--training.local_batch_size",
+            "4",
+            *extra,
+        ],
+        tmp_path,
+    )
+    budgets = _check_every_stage(tmp_path, [0, 1], seq_len=512)
+    assert len(budgets) > 1, "DST should give the micro-batches different budgets"
+
+
+def test_dp_ranks_agree_on_every_budget(tmp_path):
+    torchrun(
+        2, [*DST, "--training.local_batch_size", "1", "--training.global_batch_size", "4"], tmp_path
+    )
+    a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
+    assert [e["step_budgets"] for e in a] == [e["step_budgets"] for e in b]
+    budgets = {x for e in a for rank in e["step_budgets"] for x in rank}
+    assert len(budgets) > 1
+    for rank, log in ((0, a), (1, b)):  # each rank trains its own row of the vector
+        for e in log:
+            assert e["budget"] == e["step_budgets"][rank][e["microbatch"]]
