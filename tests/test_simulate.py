@@ -1,0 +1,170 @@
+"""sb-simulate: the schedule replay against closed forms, and the simulator's decisions
+against the planner, DST and cost model called directly (no second implementation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from sb_titan.data.longtail import longtail_v1
+from sb_titan.dst import DSTConfig, tune_budgets
+from sb_titan.sab import Planner, SABConfig
+from sb_titan.simulate import (
+    VARIANTS,
+    Cluster,
+    Network,
+    Scenario,
+    build_simulator,
+    closed_form_step_s,
+    main,
+    make_planner,
+    replay,
+    schedule_orders,
+    simulate,
+    stage_split,
+)
+
+NO_COMM = Network(p2p_latency_s=0.0, p2p_gbps=1e30, allreduce_latency_s=0.0, allreduce_gbps=1e30)
+
+
+def _equal_replay(schedule: str, pp: int, m: int, t: float, virtual: int = 1) -> float:
+    """Makespan of m equal micro-batches, fwd+bwd t per rank (B = 2F), zero latency."""
+    orders = schedule_orders(schedule, pp, m, virtual)
+    n = pp * virtual
+    fwd = np.full((n, m, 1), t / 3 / virtual)
+    tl = replay(orders, fwd, 2 * fwd, np.zeros((m, 1)))
+    return float(tl.makespan[0])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize(("pp", "m"), [(1, 8), (2, 4), (4, 8), (8, 8), (4, 3)])
+def test_replay_matches_closed_form(schedule, pp, m):
+    t = 1.5
+    assert _equal_replay(schedule, pp, m, t) == pytest.approx((m + pp - 1) * t)
+    assert closed_form_step_s(schedule, m, pp, t) == pytest.approx((m + pp - 1) * t)
+
+
+@pytest.mark.parametrize(("pp", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 8, 3), (8, 8, 2)])
+def test_interleaved_bubble_shrinks_by_virtual_stages(pp, m, v):
+    t = 1.0
+    interleaved = _equal_replay("Interleaved1F1B", pp, m, t, v)
+    plain = _equal_replay("1F1B", pp, m, t)
+    assert interleaved == pytest.approx((m + (pp - 1) / v) * t)
+    assert (interleaved - m * t) == pytest.approx((plain - m * t) / v)  # bubble: (p-1)/v
+
+
+def test_1f1b_order_warmup_and_dependencies():
+    orders = schedule_orders("1F1B", 4, 8)
+    for stage, order in enumerate(orders):
+        warmup = next(i for i, a in enumerate(order) if a.kind == "B")
+        assert warmup == min(8, 4 - stage)  # as torch's Schedule1F1B runs it
+        assert [a.mb for a in order if a.kind == "F"] == list(range(8))
+        assert [a.mb for a in order if a.kind == "B"] == list(range(8))
+
+
+def test_replay_waits_for_the_slowest_microbatch_and_sends():
+    """One slow micro-batch delays every later stage; a send adds latency per hop."""
+    orders = schedule_orders("GPipe", 2, 2)
+    fwd = np.ones((2, 2, 1))
+    fwd[0, 0, 0] = 5.0
+    tl = replay(orders, fwd, 2 * fwd, np.full((2, 1), 0.5))
+    # stage 0: F0 [0,5], F1 [5,6]; stage 1: F0 [5.5,6.5], F1 [6.5,7.5], B0 [7.5,9.5],
+    # B1 [9.5,11.5]; stage 0: B0 after 9.5 + 0.5 -> [10,20], B1 [20,22].
+    assert tl.makespan[0] == pytest.approx(22.0)
+
+
+def test_stage_split_is_torchtitans():
+    split = stage_split(36, 4)
+    assert split.layers == (9, 10, 9, 8) and sum(split.layers) == 36
+    assert split.embedding == (True, False, False, False)
+    assert split.head == (False, False, False, True)
+
+
+def _small(pp: int, **kw) -> tuple[Cluster, Scenario]:
+    cluster = Cluster(dp=2, pp=pp, microbatches=4, seq_len=4096)
+    sc = Scenario(flavor="0.5b", steps=2, network=NO_COMM, **kw)
+    return cluster, sc
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_decision_is_planner_plus_tune_budgets(pp):
+    """The simulator's plans and budgets are exactly what sab.Planner + dst.tune_budgets
+    give when called directly, as the trainer calls them."""
+    cluster, sc = _small(pp)
+    sim = build_simulator(cluster, sc)
+    cm, dst = sim.models.planning, sc.dst
+    lengths = longtail_v1(3000, cluster.seq_len, 0)
+    lowered = 0
+    for policy, variants in (("sequential", ("dst", "baseline")), ("sab", ("sab_dst", "sab"))):
+        ours = make_planner(lengths, cluster, sc.sab, policy, cm, dst)
+        direct = Planner(
+            lengths,
+            seq_len=cluster.seq_len,
+            dp=cluster.dp,
+            microbatches=cluster.microbatches,
+            rows_per_microbatch=1,
+            config=SABConfig(policy=policy),
+            cost_fn=cm.predict,
+            density_prior=lambda n: cm.density_for_budget(dst.beta0, n, dst.policy),
+        )
+        for _ in range(2):
+            plan, want = ours.next_step(), direct.next_step()
+            assert plan.microbatches == want.microbatches
+            if pp > 1:
+                units = [[mb.doc_lens] for rank in want.microbatches for mb in rank]
+            else:
+                units = [[mb.doc_lens for mb in rank] for rank in want.microbatches]
+            for variant, enabled in zip(variants, (True, False), strict=True):
+                decision = tune_budgets(units, cm, dataclasses.replace(dst, enabled=enabled))
+                assert sim.run_step(plan, variant).budgets_digest == decision.digest()
+                lowered += decision.n_lowered
+    assert lowered > 0  # DST really acted somewhere
+
+
+def test_sab_dst_balances_a_skewed_mix():
+    cluster = Cluster(dp=4, pp=2, microbatches=4, seq_len=16384)
+    rep, _ = simulate(cluster, Scenario(flavor="0.5b", steps=3))
+    v = rep["variants"]
+    assert v["sab_dst"]["imbalance_max_over_mean"] <= v["baseline"]["imbalance_max_over_mean"]
+    assert (
+        v["sab_dst"]["microbatch_imbalance_max_over_mean"]
+        <= v["baseline"]["microbatch_imbalance_max_over_mean"]
+    )
+    assert v["baseline"]["microbatch_imbalance_max_over_mean"] > 1.2  # the mix is skewed
+    assert v["sab_dst"]["mean_budget"] < DSTConfig().beta0 < v["baseline"]["mean_budget"] + 1e-12
+    for r in v.values():
+        assert r["step_time_s"] >= r["ideal_bound_s"] * (1 - 1e-9)
+
+
+def test_cli_json_keys_and_plot(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["--flavor", "0.5b", "--dp", "2", "--pp", "2", "--microbatches", "4"]
+    argv += ["--seq-len", "4096", "--steps", "1", "--quiet", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+
+        argv += ["--plot", str(tmp_path / "sim.png")]
+    except ImportError:
+        pass
+    assert main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["variants"]) == set(VARIANTS)
+    keys = {
+        "step_time_s",
+        "speedup_vs_baseline",
+        "bubble_share",
+        "imbalance_max_over_mean",
+        "ideal_bound_s",
+        "mean_budget",
+        "mean_recall_proxy",
+    }
+    for r in rep["variants"].values():
+        assert keys <= set(r)
+    assert rep["variants"]["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    assert rep["setup"]["gpus"] == 4 and rep["assumptions"]["device"]["name"] == "h200"
+    assert "baseline" in capsys.readouterr().out
+    if "--plot" in argv:
+        assert (tmp_path / "sim.png").stat().st_size > 0
