@@ -3,12 +3,14 @@
 Every rank runs the same planner over the same metadata (sample lengths, expected
 densities), so every rank derives the same global plan without communication and then
 reads only its own samples' tokens. Policies:
-  - `sab` (default): sparsity-aware batching. A window of about one step's capacity is
-    packed longest-predicted-first into the least-loaded feasible (rank, micro-batch),
-    then local swaps lower the heaviest rank and, within each rank, the heaviest
-    micro-batch. Loads are predicted latencies (cost model x expected density).
+  - `sab` (default): sparsity-aware batching. A window of one step's token capacity is
+    packed heaviest-predicted-first into the least-loaded micro-batch that can take each
+    piece, local swaps/moves lower the heaviest micro-batch, then whole micro-batches are
+    dealt to ranks to balance the ranks' sums. Loads are predicted latencies (cost model
+    at each document's expected density).
   - `tokens`: the same machinery balancing token counts only (length-based packers).
   - `sequential`: pack in data order (the common baseline).
+See docs/data.md for the algorithm, its complexity and the packing benchmark.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ logger = logging.getLogger(__name__)
 POLICIES = ("sab", "tokens", "sequential")
 LONG_DOC_MODES = ("split", "truncate", "drop")
 REWIND_STEPS = 256  # how far back a restored state may re-plan with exact observations
-SEARCH_TARGETS = 8  # lightest ranks / micro-batches tried per local-search move
-BALANCE_TOL = 1e-3  # local search stops once the heaviest is this close to the mean: finer
+SEARCH_TARGETS = 4  # lightest micro-batches / ranks searched per move (on longtail-v1,
+# 2 to 16 reach the same balance; more costs time)
+ITER_FACTOR = 4  # at most ITER_FACTOR x (micro-batches or ranks) + 32 moves per search
+BALANCE_TOL = 1e-3  # a search stops once the heaviest is this close to the mean: finer
 # balance is below what any latency prediction can resolve
 
 
@@ -97,7 +101,10 @@ class SABConfig:
 CostFn = Callable[[Sequence[int], Sequence[float]], float]
 """Predicted latency (seconds) of one micro-batch from its document lengths and their
 expected attention densities. The planner assumes it is additive over documents plus a
-per-micro-batch constant `cost_fn([], [])` (true of linear + attention cost models)."""
+per-micro-batch constant `cost_fn([], [])` (true of linear + attention cost models).
+Optionally the callable also offers `per_document(lengths, densities) -> ndarray`, the
+marginal cost of each document alone, vectorised: the planner then prices a window in
+one call instead of one call per piece."""
 
 DensityPrior = Callable[[int], float]
 """Expected density of a document of a given length before it was ever observed."""
@@ -115,19 +122,36 @@ def as_cost_fn(fn: Callable[..., float]) -> CostFn:
     return fn
 
 
-def analytic_cost(row_len: int, attention_share: float = 0.6) -> CostFn:
-    """Linear part ∝ tokens plus attention ∝ Σ density·len², in units of one token's
-    linear cost; calibrated so attention is `attention_share` of a full one-document row."""
-    if not 0.0 <= attention_share < 1.0:
-        raise ValueError(f"analytic_cost: attention_share must be in [0, 1) ({attention_share})")
-    quad = attention_share / (1.0 - attention_share) / row_len
+@dataclass(frozen=True, slots=True)
+class AnalyticCost:
+    """CostFn: linear part ∝ tokens plus attention ∝ Σ density·len², in units of one
+    token's linear cost, calibrated so attention is `attention_share` of the cost of a
+    row holding one `row_len`-token document. A stated stand-in for a measured profile."""
 
-    def cost(doc_lens: Sequence[int], densities: Sequence[float]) -> float:
-        return float(sum(doc_lens)) + quad * sum(
+    row_len: int
+    attention_share: float = 0.6
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.attention_share < 1.0 or self.row_len < 1:
+            raise ValueError(
+                f"AnalyticCost: need row_len >= 1 and attention_share in [0, 1) "
+                f"(got {self.row_len}, {self.attention_share})"
+            )
+
+    @property
+    def quad(self) -> float:
+        return self.attention_share / (1.0 - self.attention_share) / self.row_len
+
+    def __call__(self, doc_lens: Sequence[int], densities: Sequence[float]) -> float:
+        q = self.quad
+        return float(sum(doc_lens)) + q * sum(
             r * n * n for n, r in zip(doc_lens, densities, strict=True)
         )
 
-    return cost
+    def per_document(self, lengths: np.ndarray, densities: np.ndarray) -> np.ndarray:
+        """Vectorised marginal cost of each document alone (the planner's fast path)."""
+        n = lengths.astype(np.float64)
+        return n + self.quad * (densities * n * n)  # same rounding as __call__
 
 
 @dataclass(slots=True)
@@ -174,8 +198,10 @@ class DensityStore:
         ids, last = np.unique(ids[::-1], return_index=True)  # a repeated id: last one wins
         self.log.append(_Observed(at_step, ids, values[::-1][last].astype(np.float32)))
 
-    def advance(self, step: int) -> None:
-        """Make every entry with at_step <= step visible."""
+    def visible_at(self, step: int) -> None:
+        """Show exactly the entries with at_step <= step (hide later ones a restored,
+        older planner state must not see yet; apply earlier ones not applied yet)."""
+        self._rewind(step)
         for e in self.log:
             if e.previous is None and e.at_step <= step:
                 if self.values is None:
@@ -188,8 +214,7 @@ class DensityStore:
                 break
             self.pruned_through = self.log.pop(0).at_step
 
-    def rewind(self, step: int) -> None:
-        """Hide entries with at_step > step (exact up to REWIND_STEPS back)."""
+    def _rewind(self, step: int) -> None:
         if step < self.pruned_through:
             raise ValueError(
                 f"sab: cannot restore planner step {step + 1}: observations up to step "
@@ -386,7 +411,7 @@ class Planner:
     # -- planning -----------------------------------------------------------------
     def next_step(self) -> StepPlan:
         with self._lock:
-            self.densities.advance(self.state.step)
+            self.densities.visible_at(self.state.step)
             epoch = self.state.epoch
             if self.config.policy == "sequential":
                 bins = self._plan_sequential()
@@ -417,13 +442,20 @@ class Planner:
         return bins
 
     def _plan_balanced(self) -> tuple[list[list[list[Piece]]], list[list[float]]]:
-        """`sab` / `tokens`: window → greedy → local search; leftovers carried over."""
+        """`sab` / `tokens`: window → pack micro-batches → deal them to ranks.
+
+        Pieces carried over from the last step are placed first, so none waits long;
+        what still does not fit is carried to the next step (nothing dropped or repeated).
+        """
         n_bins = self.dp * self.microbatches
         window, n_carried = self._fill_window(n_bins * self.max_tokens)
         lens = np.fromiter((p.length for p in window), dtype=np.int64, count=len(window))
         dens = self.expected_densities(window)
+        per_document = getattr(self.cost_fn, "per_document", None)
         if self.config.policy == "tokens":
             cost = lens.astype(np.float64)
+        elif per_document is not None:
+            cost = np.asarray(per_document(lens, np.asarray(dens)), dtype=np.float64)
         else:
             cost_fn, base = self.cost_fn, self.base_cost
             cost = np.array(
@@ -436,9 +468,10 @@ class Planner:
         pack = _Packing(self, lens, cost)
         pack.greedy(order)
         pack.improve()
+        deal = pack.deal()
         placed = pack.row >= 0
         self.state.pending = [window[i] for i in range(len(window)) if not placed[i]]
-        return pack.bins(window, dens, order)
+        return pack.bins(window, dens, order, deal)
 
     def _fill_window(self, capacity: int) -> tuple[list[Piece], int]:
         """Carried-over pieces first, then samples in epoch order, up to `capacity` tokens."""
@@ -454,8 +487,13 @@ class Planner:
             chunk = order[st.cursor : st.cursor + 2 * int(need / self._mean_yield) + 64]
             got = np.cumsum(self._yields[chunk])
             k = min(int(np.searchsorted(got, need)) + 1, len(chunk))
+            lens, cap = self._lens_list, self.piece_len
             for sample_id in chunk[:k].tolist():
-                window.extend(self.pieces_of(sample_id))
+                n = lens[sample_id]
+                if 0 < n <= cap:  # the common case, inlined
+                    window.append(Piece(sample_id, 0, n))
+                else:
+                    window.extend(self.pieces_of(sample_id))
             st.cursor += k
             need -= int(got[k - 1])
         return window, n_carried
@@ -509,7 +547,6 @@ class Planner:
             )
             if "observations" in state:
                 self.densities.load_state_dict(state["observations"])
-            self.densities.rewind(self.state.step - 1)
 
     def observation_state(self) -> dict:
         """The density store alone (checkpoint it live, beside per-item snapshots)."""
@@ -517,141 +554,114 @@ class Planner:
             return self.densities.state_dict()
 
     def load_observation_state(self, state: dict) -> None:
+        """Restore a live density store; it may run ahead of the planner state (restored
+        before or after it): the next step shows only what that step may see."""
         with self._lock:
             self.densities.load_state_dict(state)
-            self.densities.rewind(self.state.step - 1)
 
 
 class _Packing:
-    """One window's pieces placed into bins: rank r, micro-batch m, row w.
+    """A window's pieces packed into micro-batches, which are then dealt to ranks.
 
-    Rows are numbered flat, `(r * microbatches + m) * rows + w`; a piece's row is -1
-    while unplaced (carried to the next step).
+    The two levels of the objective separate: packing decides every micro-batch's load
+    (minimise the heaviest micro-batch), dealing decides only which rank runs which
+    micro-batch (minimise the heaviest rank sum). Dealing exchanges whole micro-batches,
+    which is always token-feasible; moving single pieces between ranks rarely is once
+    rows are full.
+
+    Rows are numbered flat, `b * rows + w` for micro-batch b (packing order, not rank
+    order); a piece's row is -1 while unplaced (carried to the next step).
     """
 
     def __init__(self, planner: Planner, lens: np.ndarray, cost: np.ndarray) -> None:
         self.dp, self.mbs, self.nrows = planner.dp, planner.microbatches, planner.rows
+        self.n_mbs = self.dp * self.mbs
         self.seq_len, self.max_tokens = planner.seq_len, planner.max_tokens
         self.lens, self.cost = lens, cost
         self.row = np.full(len(lens), -1, dtype=np.int64)
 
-    # -- greedy -------------------------------------------------------------------------
+    # -- packing ------------------------------------------------------------------------
     def greedy(self, order: np.ndarray) -> None:
-        """Pieces in `order` (heaviest first) into the least-loaded rank that can take
-        them, there into its least-loaded micro-batch that can, first-fit into a row.
-        A min-heap of ranks keeps it O(n log dp + n·m) for n pieces, m micro-batches."""
-        dp, nm, nw = self.dp, self.mbs, self.nrows
+        """Pieces in `order` (heaviest first) into the least-loaded micro-batch that can
+        take them (token cap, and a row with room), first-fit into its rows.
+
+        Micro-batches sit in a min-heap by load; one too full for the current piece is
+        parked in a max-heap by the longest piece it still takes and returns once pieces
+        get that short (they mostly shrink along the order), so each is set aside about
+        once: O(n log B) for n pieces and B micro-batches.
+        """
+        nw = self.nrows
         lens, cost = self.lens.tolist(), self.cost.tolist()
         fit0 = min(self.seq_len, self.max_tokens)
-        row_free = [[self.seq_len] * nw for _ in range(dp * nm)]
-        mb_free = [self.max_tokens] * (dp * nm)
-        mb_fit = [fit0] * (dp * nm)  # longest piece the micro-batch still takes
-        mb_load = [0.0] * (dp * nm)
-        rank_load = [0.0] * dp
-        rank_fit = [fit0] * dp
-        version = [0] * dp
-        heap = [(0.0, r, 0) for r in range(dp)]  # (load, rank, version); stale if version moved
-        order_list = order.tolist()
-        # Shortest piece still to come: a rank that cannot take it is retired.
-        min_rest = np.minimum.accumulate(self.lens[order][::-1])[::-1].tolist() + [0]
+        row_free = [[self.seq_len] * nw for _ in range(self.n_mbs)]
+        mb_free = [self.max_tokens] * self.n_mbs
+        mb_fit = [fit0] * self.n_mbs  # longest piece the micro-batch still takes
+        mb_load = [0.0] * self.n_mbs
+        version = [0] * self.n_mbs  # a heap entry is live only while its version is current
+        heap = [(0.0, b, 0) for b in range(self.n_mbs)]  # (load, micro-batch, version)
+        parked: list[tuple[int, int, int]] = []  # (-fit, micro-batch, version)
         placed = [-1] * len(lens)
         pop, push = heapq.heappop, heapq.heappush
-        for k, i in enumerate(order_list):
+        for i in order.tolist():
             n = lens[i]
-            r, aside = -1, []
+            while parked and -parked[0][0] >= n:
+                _, cand, ver = pop(parked)
+                push(heap, (mb_load[cand], cand, ver))
+            b = -1
             while heap:
                 _, cand, ver = heap[0]
                 if ver != version[cand]:
                     pop(heap)
-                elif rank_fit[cand] >= n:
-                    r = cand
+                elif mb_fit[cand] >= n:
+                    b = cand
                     break
-                elif rank_fit[cand] >= min_rest[k]:
-                    aside.append(pop(heap))
                 else:
                     pop(heap)
-                    version[cand] = -1  # retired
-            for entry in aside:
-                push(heap, entry)
-            if r < 0:
+                    push(parked, (-mb_fit[cand], cand, ver))
+            if b < 0:
                 continue  # fits nowhere: carried over
-            b0 = r * nm
-            best, best_load = -1, float("inf")
-            for b in range(b0, b0 + nm):
-                if mb_fit[b] >= n and mb_load[b] < best_load:
-                    best, best_load = b, mb_load[b]
-            free = row_free[best]
+            free = row_free[b]
             j = 0
             while free[j] < n:
                 j += 1
             free[j] -= n
-            mb_free[best] -= n
-            mb_fit[best] = min(mb_free[best], max(free))
-            rank_fit[r] = max(mb_fit[b0 : b0 + nm])
-            mb_load[best] += cost[i]
-            rank_load[r] += cost[i]
-            placed[i] = best * nw + j
-            if rank_fit[r] >= min_rest[k + 1]:
-                version[r] += 1
-                push(heap, (rank_load[r], r, version[r]))
-            else:
-                version[r] = -1
+            mb_free[b] -= n
+            mb_fit[b] = min(mb_free[b], max(free))
+            mb_load[b] += cost[i]
+            placed[i] = b * nw + j
+            version[b] += 1
+            push(heap, (mb_load[b], b, version[b]))
         self.row = np.array(placed, dtype=np.int64)
-        self._tally()
+        placed_mask = self.row >= 0
+        rows = self.row[placed_mask]
+        n_rows = self.n_mbs * nw
+        used = np.bincount(rows, weights=self.lens[placed_mask], minlength=n_rows)
+        self.row_used = used.astype(np.int64)
+        self.mb_tok = self.row_used.reshape(-1, nw).sum(1)
+        self.mb_load = np.bincount(rows // nw, weights=self.cost[placed_mask], minlength=self.n_mbs)
 
-    def _tally(self) -> None:
-        placed = self.row >= 0
-        rows, lens, cost = self.row[placed], self.lens[placed], self.cost[placed]
-        n_rows = self.dp * self.mbs * self.nrows
-        self.row_used = np.bincount(rows, weights=lens, minlength=n_rows).astype(np.int64)
-        self.mb_tok = self.row_used.reshape(-1, self.nrows).sum(1)
-        self.mb_load = np.bincount(rows // self.nrows, weights=cost, minlength=self.dp * self.mbs)
-        self.rank_load = self.mb_load.reshape(self.dp, self.mbs).sum(1)
-
-    # -- local search -------------------------------------------------------------------
     def improve(self) -> None:
-        """Swaps/moves while they lower the heaviest rank, then (rank sums fixed) the
-        heaviest micro-batch of each rank."""
-        placed = np.flatnonzero(self.row >= 0)
-        per_rank = self.mbs * self.nrows
-        if self.dp > 1:
-            self._descend(placed, self.rank_load, per_rank, np.arange(self.dp), True)
-        if self.mbs > 1:
-            rank_of = self.row[placed] // per_rank
-            for r in range(self.dp):
-                mbs = np.arange(r * self.mbs, (r + 1) * self.mbs)
-                self._descend(placed[rank_of == r], self.mb_load, self.nrows, mbs, False)
-
-    def _descend(
-        self,
-        members: np.ndarray,
-        loads: np.ndarray,
-        rows_per_group: int,
-        groups: np.ndarray,
-        rank_level: bool,
-    ) -> None:
-        """Move load off the heaviest of `groups` (ranks, or one rank's micro-batches,
-        each owning `rows_per_group` consecutive flat rows; `members` are their pieces)
-        to the SEARCH_TARGETS lightest, one best move at a time, until it cannot fall."""
-        is_target = np.zeros(len(loads), dtype=bool)
-        local_rows = np.arange(rows_per_group)
-        for _ in range(4 * len(groups) + 32):
-            sub = loads[groups]
-            top = int(np.argmax(sub))
-            heavy = int(groups[top])
-            if sub[top] * len(sub) <= sub.sum() * (1.0 + BALANCE_TOL):
+        """Swaps/moves of pieces off the heaviest micro-batch, to the SEARCH_TARGETS
+        lightest, one best move at a time, while the heaviest falls."""
+        members = np.flatnonzero(self.row >= 0)
+        is_target = np.zeros(self.n_mbs, dtype=bool)
+        local_rows = np.arange(self.nrows)
+        loads = self.mb_load
+        for _ in range(ITER_FACTOR * self.n_mbs + 32):
+            heavy = int(np.argmax(loads))
+            if loads[heavy] * self.n_mbs <= loads.sum() * (1.0 + BALANCE_TOL):
                 return
-            grp = self.row[members] // rows_per_group
-            src = members[grp == heavy]
+            mb_of = self.row[members] // self.nrows
+            src = members[mb_of == heavy]
             if len(src) < 2:
-                return  # a lone piece cannot shrink its group: it moves or swaps wholesale
-            lights = groups[np.argsort(sub, kind="stable")]
+                return  # a lone piece cannot shrink its micro-batch: the bound is reached
+            lights = np.argsort(loads, kind="stable")
             lights = lights[lights != heavy][:SEARCH_TARGETS]
             is_target[:] = False
             is_target[lights] = True
-            dst = members[is_target[grp]]
-            slots = (lights[:, None] * rows_per_group + local_rows).ravel()
-            move = self._best_swap(src, dst, slots, loads, heavy, rows_per_group, rank_level)
+            dst = members[is_target[mb_of]]
+            slots = (lights[:, None] * self.nrows + local_rows).ravel()
+            move = self._best_swap(src, dst, slots, heavy)
             if move is None:
                 return
             self._apply(*move)
@@ -662,22 +672,16 @@ class _Packing:
         return np.minimum(self.seq_len - self.row_used[rows], mb_room)
 
     def _best_swap(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        slots: np.ndarray,
-        loads: np.ndarray,
-        heavy: int,
-        rows_per_group: int,
-        guard_mb: bool,
+        self, src: np.ndarray, dst: np.ndarray, slots: np.ndarray, heavy: int
     ) -> tuple[int, int, int] | None:
-        """Best exchange of a source piece with a destination piece or an empty slot of
-        a destination row (a move): the one that leaves the pair's larger load smallest,
-        if that is below the heavy group's current load.
+        """Best exchange of a piece of the heavy micro-batch with a destination piece or
+        an empty slot of a destination row (a move): the one that leaves the pair's
+        larger load smallest, if that is below the heavy micro-batch's load.
 
         Only length-compatible pairs are formed (q no longer than p plus p's spare room,
         found by binary search), so full rows cost O((|src| + pairs) log |dst|).
         """
+        loads, nw = self.mb_load, self.nrows
         top = float(loads[heavy])
         eps = 1e-9 * max(abs(top), 1e-30)
         n_dst = len(dst)
@@ -701,10 +705,8 @@ class _Packing:
         dl = lp[a] - lq[b]
         ok = dl <= room_q[b]  # p fits where q was (and q, shorter by -dl, where p was)
         d = self.cost[src[a]] - cq[b]
-        after = loads[rq[b] // rows_per_group] + d
+        after = loads[rq[b] // nw] + d
         ok &= (d > eps) & (after < top - eps)
-        if guard_mb:  # a rank-level move never raises the heaviest micro-batch
-            ok &= self.mb_load[rq[b] // self.nrows] + d <= self.mb_load.max() + eps
         score = np.where(ok, np.maximum(top - d, after), np.inf)
         k = int(np.argmin(score))  # ties: first pair (source order, then shorter q)
         if not np.isfinite(score[k]):
@@ -720,33 +722,73 @@ class _Packing:
 
     def _shift(self, i: int, a: int, b: int) -> None:
         n, c = int(self.lens[i]), float(self.cost[i])
-        ma, mb = a // self.nrows, b // self.nrows
         self.row_used[a] -= n
         self.row_used[b] += n
-        self.mb_tok[ma] -= n
-        self.mb_tok[mb] += n
-        self.mb_load[ma] -= c
-        self.mb_load[mb] += c
-        self.rank_load[ma // self.mbs] -= c
-        self.rank_load[mb // self.mbs] += c
+        self.mb_tok[a // self.nrows] -= n
+        self.mb_tok[b // self.nrows] += n
+        self.mb_load[a // self.nrows] -= c
+        self.mb_load[b // self.nrows] += c
         self.row[i] = b
 
+    # -- dealing ------------------------------------------------------------------------
+    def deal(self) -> np.ndarray:
+        """[dp, m] micro-batch ids per rank: heaviest first to the lightest rank with
+        room (m each), then exchanges between the heaviest rank and the SEARCH_TARGETS
+        lightest while the heaviest rank sum falls. O(B log dp + iterations · m²)."""
+        dp, m, loads = self.dp, self.mbs, self.mb_load
+        heap = [(0.0, r) for r in range(dp)]
+        groups: list[list[int]] = [[] for _ in range(dp)]
+        for b in np.lexsort((np.arange(self.n_mbs), -loads)).tolist():  # ties: by id
+            total, r = heapq.heappop(heap)
+            groups[r].append(b)
+            if len(groups[r]) < m:
+                heapq.heappush(heap, (total + float(loads[b]), r))
+        deal = np.array(groups, dtype=np.int64)
+        if dp > 1 and m > 1:
+            for _ in range(ITER_FACTOR * dp + 32):
+                if not self._exchange(deal):
+                    break
+        deal.sort(axis=1)  # a rank runs its micro-batches in packing order
+        return deal
+
+    def _exchange(self, deal: np.ndarray) -> bool:
+        """One best micro-batch exchange off the heaviest rank; False if none helps."""
+        sums = self.mb_load[deal].sum(1)
+        heavy = int(np.argmax(sums))
+        top = float(sums[heavy])
+        if top * len(sums) <= sums.sum() * (1.0 + BALANCE_TOL):
+            return False
+        lights = np.argsort(sums, kind="stable")
+        lights = lights[lights != heavy][:SEARCH_TARGETS]
+        d = self.mb_load[deal[heavy]][None, :, None] - self.mb_load[deal[lights]][:, None, :]
+        after = sums[lights][:, None, None] + d
+        eps = 1e-9 * max(abs(top), 1e-30)
+        ok = (d > eps) & (after < top - eps)
+        score = np.where(ok, np.maximum(top - d, after), np.inf)
+        k = int(np.argmin(score))
+        if not np.isfinite(score.flat[k]):
+            return False
+        t, x, y = np.unravel_index(k, score.shape)
+        light = int(lights[t])
+        deal[heavy, x], deal[light, y] = deal[light, y], deal[heavy, x]
+        return True
+
     def bins(
-        self, window: list[Piece], dens: list[float], order: np.ndarray
+        self, window: list[Piece], dens: list[float], order: np.ndarray, deal: np.ndarray
     ) -> tuple[list[list[list[Piece]]], list[list[float]]]:
-        """Pieces per (rank-major micro-batch, row) in greedy order within a row, and
-        each micro-batch's densities in the same (row-major) order."""
-        n_rows = self.dp * self.mbs * self.nrows
-        pieces: list[list[Piece]] = [[] for _ in range(n_rows)]
-        row_dens: list[list[float]] = [[] for _ in range(n_rows)]
+        """Rank-major micro-batches (rank r's j-th is `deal[r, j]`): pieces per row in
+        greedy order, and each micro-batch's densities in the same (row-major) order."""
+        nw = self.nrows
+        pieces: list[list[Piece]] = [[] for _ in range(self.n_mbs * nw)]
+        row_dens: list[list[float]] = [[] for _ in range(self.n_mbs * nw)]
         rows = self.row.tolist()
         for i in order.tolist():
             if rows[i] >= 0:
                 pieces[rows[i]].append(window[i])
                 row_dens[rows[i]].append(dens[i])
-        nw = self.nrows
-        out = [pieces[b * nw : (b + 1) * nw] for b in range(self.dp * self.mbs)]
-        out_dens = [sum(row_dens[b * nw : (b + 1) * nw], []) for b in range(self.dp * self.mbs)]
+        ids = deal.reshape(-1).tolist()
+        out = [pieces[b * nw : (b + 1) * nw] for b in ids]
+        out_dens = [sum(row_dens[b * nw : (b + 1) * nw], []) for b in ids]
         return out, out_dens
 
 

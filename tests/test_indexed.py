@@ -14,7 +14,7 @@ from sb_titan.data.indexed import DatasetError, IndexedDataset
 from sb_titan.data.loader import pack_microbatch
 from sb_titan.data.tokenizer import BOS, load_tokenizer
 from sb_titan.prep import main, prep
-from sb_titan.sab import Planner, SABConfig, analytic_cost
+from sb_titan.sab import AnalyticCost, Planner, SABConfig
 
 DOCS = [
     "key 12 maps to 34 . recall key 12 : 34 .",
@@ -78,7 +78,7 @@ def test_planner_and_packing_over_indexed(tmp_path, tok):
         microbatches=2,
         rows_per_microbatch=1,
         config=SABConfig(),
-        cost_fn=analytic_cost(16),
+        cost_fn=AnalyticCost(16),
     )
     plan = planner.next_step()
     for mb in plan.microbatches[0]:
