@@ -24,9 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Tile, dot_in_fp32, fp32_variant, launch_opts
-
-LOG2E = 1.4426950408889634
+from .common import LOG2E, Tile, config_dtype, dot_in_fp32, fp32_variant, launch_opts
 
 
 class AttnTiles(NamedTuple):
@@ -66,7 +64,7 @@ ATTN_CONFIGS: dict[tuple[str, int, int], AttnTiles] = {
 
 def attn_tiles(dtype: torch.dtype, head_dim: int, block_size: int) -> AttnTiles:
     """Tiles for a launch; fp32 (checking only) reuses the bf16 tiles with one stage."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "bf16"}.get(dtype)
+    name = config_dtype(dtype)
     key = (name, head_dim, block_size)
     if name is None or key not in ATTN_CONFIGS:
         raise ValueError(f"no tile config for dtype={dtype} head_dim={head_dim} Bs={block_size}")
@@ -535,12 +533,21 @@ class BlockSparseAttnFn(torch.autograd.Function):
 
 
 def _prepare_table(
-    table: BlockTable,
+    table: BlockTable, batch: int, kv_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(
+    """int32, contiguous; shapes checked on metadata only (no device sync), since a wrong
+    shape would make the kernels read out of bounds. Contents are trusted."""
+    kv_count, kv_index, q_count, q_index = (
         getattr(table, name).to(torch.int32).contiguous()
         for name in ("kv_count", "kv_index", "q_count", "q_index")
     )
+    head = (batch, kv_heads, kv_count.shape[-1])
+    ok = tuple(kv_count.shape) == head and tuple(q_count.shape) == head
+    ok = ok and tuple(kv_index.shape[:3]) == head and tuple(q_index.shape[:3]) == head
+    if not ok or kv_index.dim() != 4 or q_index.dim() != 4:
+        shapes = [tuple(t.shape) for t in (kv_count, kv_index, q_count, q_index)]
+        raise ValueError(f"block table shapes {shapes} do not match [B, Hkv, NB(, MAX)] = {head}")
+    return kv_count, kv_index, q_count, q_index
 
 
 def block_sparse_attention_triton(
@@ -558,7 +565,7 @@ def block_sparse_attention_triton(
     inferred from NB = ceil(L / Bs). Returns out [B, Hq, L, D] in q's dtype.
     """
     _check_inputs(q, k, v, doc_id)
-    kv_count, kv_index, q_count, q_index = _prepare_table(table)
+    kv_count, kv_index, q_count, q_index = _prepare_table(table, q.shape[0], k.shape[1])
     block_size = table_block_size(table, q.shape[2])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))

@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton kernel files: tile configs, the checking flag, dot helper.
+"""Pieces shared by the Triton kernel files: tile configs, launch options, the checking flag.
 
 `SB_TRITON_UPCAST=1` makes every `tl.dot` run on fp32 operands (IEEE): the kernels cast
 their dot operands to fp32 right after loading them (constexpr `DOT_F32`). It exists for
@@ -15,6 +15,9 @@ import torch
 
 UPCAST: bool = os.environ.get("SB_TRITON_UPCAST", "0") == "1"
 
+#: softmax runs in base 2 (exp2 is one instruction); scores are pre-scaled by log2(e)
+LOG2E = 1.4426950408889634
+
 #: FP fusion (FMA contraction) passed explicitly to every launch and AOT compile, so the
 #: two agree whatever TRITON_DEFAULT_FP_FUSION says (its default flips in Triton 3.10).
 FP_FUSION: bool = True
@@ -29,6 +32,11 @@ TRITON_DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float16: "fp16",
     torch.float32: "fp32",
 }
+
+
+def config_dtype(dtype: torch.dtype) -> str | None:
+    """Tile-table key of an input dtype; fp32 (checking only) borrows the bf16 entry."""
+    return "bf16" if dtype == torch.float32 else TRITON_DTYPE_NAMES.get(dtype)
 
 
 class Tile(NamedTuple):

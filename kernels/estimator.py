@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import Tile, launch_opts
+from .common import LOG2E, Tile, config_dtype, launch_opts
 
 
 class EstimatorTiles(NamedTuple):
@@ -41,7 +41,7 @@ EST_CONFIGS: dict[tuple[str, int, int], EstimatorTiles] = {
 
 def est_tiles(dtype: torch.dtype, head_dim: int, block_size: int) -> EstimatorTiles:
     """Tiles for a launch; fp32 inputs (checking only) reuse the bf16 entry."""
-    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "bf16"}.get(dtype)
+    name = config_dtype(dtype)
     key = (name, head_dim, block_size)
     if key not in EST_CONFIGS:
         raise ValueError(f"no estimator config for dtype={dtype} D={head_dim} Bs={block_size}")
@@ -165,15 +165,14 @@ def _scores(
     return tl.where(allowed & col_ok[None, :], s, float("-inf"))
 
 
-LOG2E = 1.4426950408889634
-
-
 def pool_blocks_triton(
     q: torch.Tensor, k: torch.Tensor, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qp, kp: [B, Hkv, NB, D] fp32 block means (qp also averages the G q heads)."""
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
+    if k.shape != (B, Hkv, L, D) or Hq % Hkv:
+        raise ValueError(f"bad shapes q={tuple(q.shape)} k={tuple(k.shape)}")
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     nb = triton.cdiv(L, block_size)
