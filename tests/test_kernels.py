@@ -71,6 +71,9 @@ def doc_ids(lengths: list[list[int]]) -> torch.Tensor:
 
 # Two rows of L=200: three documents incl. one shorter than a block, and two documents.
 DOCS_200 = [[90, 30, 80], [150, 50]]
+# GPU only (too slow for the interpreter): L=4096, a 50-token document mid-row.
+DOCS_4K = [[1000, 50, 3046], [4096]]
+DOCS = {"200": DOCS_200, "4k": DOCS_4K}
 
 
 class AttnCase(NamedTuple):
@@ -81,6 +84,7 @@ class AttnCase(NamedTuple):
     hkv: int
     table: str  # "random" | "full" | "diag" | "holes" (some query blocks keep nothing)
     strided_q: bool = False
+    docs: str = "200"
 
 
 ATTN_CASES: dict[str, AttnCase] = {
@@ -94,12 +98,20 @@ ATTN_CASES: dict[str, AttnCase] = {
     "fp16-d64-bs128-mha-full": AttnCase("float16", 64, 128, 2, 2, "full"),
 }
 
+# Real-GPU extras: Qwen2.5-7B's GQA 7:1, long rows, every shipped (dtype, D, Bs).
+GPU_CASES: dict[str, AttnCase] = {
+    f"gpu-{dt}-d{d}-bs{bs}-gqa7-4k": AttnCase(full, d, bs, 7, 1, "random", True, "4k")
+    for dt, full in (("bf16", "bfloat16"), ("fp16", "float16"))
+    for d in (64, 128)
+    for bs in (64, 128)
+}
+
 # relative tolerance on max|err| / max|ref|: fp32 is exact up to summation order,
 # half types round P and the outputs (bf16 has 8 mantissa bits).
 REL_TOL = {"float32": 2e-5, "bfloat16": 2.5e-2, "float16": 4e-3}
 
 
-def _attn_case(name: str, case: AttnCase) -> dict[str, list[float]]:
+def _attn_case(name: str, case: AttnCase, device: str = "cpu") -> dict[str, list[float]]:
     from sb_titan_kernels.block_sparse_attn import (
         block_sparse_attention_ref,
         block_sparse_attention_triton,
@@ -107,7 +119,8 @@ def _attn_case(name: str, case: AttnCase) -> dict[str, list[float]]:
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     dtype = getattr(torch, case.dtype)
-    B, L, D = 2, 200, case.head_dim
+    doc = doc_ids(DOCS[case.docs])
+    (B, L), D = doc.shape, case.head_dim
     NB = math.ceil(L / case.block)
     keep = {
         "random": lambda: random_keep(B, case.hkv, NB, 0.5, gen),
@@ -115,11 +128,11 @@ def _attn_case(name: str, case: AttnCase) -> dict[str, list[float]]:
         "diag": lambda: torch.eye(NB, dtype=torch.bool).expand(B, case.hkv, NB, NB).clone(),
         "holes": lambda: random_keep(B, case.hkv, NB, 0.5, gen) & (torch.arange(NB) != 1)[:, None],
     }[case.table]()
-    table = build_table(keep)
-    doc = doc_ids(DOCS_200)
+    table = Table(*(t.to(device) for t in build_table(keep)))
+    doc = doc.to(device)
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     if case.strided_q:  # [B, L, H, D] viewed as [B, H, L, D], as a model's projections give
         q = rand(B, L, case.hq, D).transpose(1, 2).requires_grad_()
@@ -150,15 +163,17 @@ def _estimator_case(
     hq: int,
     hkv: int,
     end_to_end: bool = True,
+    device: str = "cpu",
 ) -> dict:
     from sb_titan_kernels import estimator as est
 
     gen = torch.Generator().manual_seed(7)
-    doc = doc_ids(lengths)
+    doc = doc_ids(lengths).to(device)
     B, L = doc.shape
     NB = math.ceil(L / block)
-    q = (3 * torch.randn(B, hq, L, head_dim, generator=gen)).to(getattr(torch, dtype))
-    k = (3 * torch.randn(B, hkv, L, head_dim, generator=gen)).to(getattr(torch, dtype))
+    dt = getattr(torch, dtype)
+    q = (3 * torch.randn(B, hq, L, head_dim, generator=gen)).to(device=device, dtype=dt)
+    k = (3 * torch.randn(B, hkv, L, head_dim, generator=gen)).to(device=device, dtype=dt)
     qp, kp = est.pool_blocks_triton(q, k, block)
     qp_ref, kp_ref = est.pool_blocks_ref(q, k, block)
     result = {
@@ -177,20 +192,32 @@ def _estimator_case(
     return result
 
 
-EST_CASES: dict[str, Callable[[], dict]] = {
-    "est-bf16-d64-bs64-L200-gqa2": lambda: _estimator_case("bfloat16", 64, DOCS_200, 64, 4, 2),
-    # NB=70 spans several query tiles and key chunks; documents start mid-block
-    "est-fp32-d128-bs64-L4480-gqa2": lambda: _estimator_case(
-        "float32", 128, [[1000, 33, 3447]], 64, 2, 1, end_to_end=False
+EST_CASES: dict[str, Callable[[str], dict]] = {
+    "est-bf16-d64-bs64-L200-gqa2": lambda dev: _estimator_case(
+        "bfloat16", 64, DOCS_200, 64, 4, 2, device=dev
     ),
-    "est-fp16-d64-bs128-L200-mha": lambda: _estimator_case("float16", 64, DOCS_200, 128, 2, 2),
+    # NB=70 spans several query tiles and key chunks; documents start mid-block
+    "est-fp32-d128-bs64-L4480-gqa2": lambda dev: _estimator_case(
+        "float32", 128, [[1000, 33, 3447]], 64, 2, 1, end_to_end=False, device=dev
+    ),
+    "est-fp16-d64-bs128-L200-mha": lambda dev: _estimator_case(
+        "float16", 64, DOCS_200, 128, 2, 2, device=dev
+    ),
 }
 
 
 def _child_numerics() -> dict:
     torch.set_num_threads(1)
     out = {name: _attn_case(name, case) for name, case in ATTN_CASES.items()}
-    out.update({name: fn() for name, fn in EST_CASES.items()})
+    out.update({name: fn("cpu") for name, fn in EST_CASES.items()})
+    return out
+
+
+def _child_gpu() -> dict:
+    """Same checks on CUDA with compiled kernels (no interpreter, no upcast) + GPU_CASES."""
+    cases = {**ATTN_CASES, **GPU_CASES}
+    out = {name: _attn_case(name, case, "cuda") for name, case in cases.items()}
+    out.update({name: fn("cuda") for name, fn in EST_CASES.items()})
     return out
 
 
@@ -210,7 +237,7 @@ def _child_aot() -> dict:
 
 def _start_child(mode: str, env: dict[str, str]) -> subprocess.Popen:
     env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    if mode == "aot":
+    if mode in ("aot", "gpu"):
         env.pop("TRITON_INTERPRET", None)
         env.pop("SB_TRITON_UPCAST", None)
     return subprocess.Popen(
@@ -257,17 +284,40 @@ def aot_rows(children) -> dict:
     return _collect(children["aot"])
 
 
+@pytest.fixture(scope="module")
+def gpu_numerics() -> dict:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the interpreter checks above run everywhere)")
+    return _collect(_start_child("gpu", {}))
+
+
+def _check_attn(results: dict, name: str, case: AttnCase) -> None:
+    tol = REL_TOL[case.dtype]
+    for what, (err, scale) in results[name].items():
+        assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g} scale {scale:.3g}"
+
+
+def _check_est(results: dict, name: str) -> None:
+    for what, (err, _) in results[name].items():
+        assert err <= 1e-5, f"{name} {what}: err {err:.3g}"
+
+
 @pytest.mark.parametrize("name", list(ATTN_CASES))
 def test_attention_matches_reference(numerics: dict, name: str) -> None:
-    tol = REL_TOL[ATTN_CASES[name].dtype]
-    for what, (err, scale) in numerics[name].items():
-        assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g} scale {scale:.3g}"
+    _check_attn(numerics, name, ATTN_CASES[name])
 
 
 @pytest.mark.parametrize("name", list(EST_CASES))
 def test_estimator_matches_reference(numerics: dict, name: str) -> None:
-    for what, (err, _) in numerics[name].items():
-        assert err <= 1e-5, f"{name} {what}: err {err:.3g}"
+    _check_est(numerics, name)
+
+
+@pytest.mark.parametrize("name", [*ATTN_CASES, *GPU_CASES, *EST_CASES])
+def test_on_gpu(gpu_numerics: dict, name: str) -> None:
+    if name in EST_CASES:
+        _check_est(gpu_numerics, name)
+    else:
+        _check_attn(gpu_numerics, name, {**ATTN_CASES, **GPU_CASES}[name])
 
 
 def test_aot_every_shipped_config(aot_rows: dict) -> None:
@@ -316,5 +366,5 @@ def test_estimator_reference_is_a_distribution_over_allowed_blocks() -> None:
 
 
 if __name__ == "__main__":
-    result = {"numerics": _child_numerics, "aot": _child_aot}[sys.argv[1]]()
+    result = {"numerics": _child_numerics, "aot": _child_aot, "gpu": _child_gpu}[sys.argv[1]]()
     print(json.dumps(result))
