@@ -5,7 +5,7 @@ ZBVZeroBubble) that
   * accept TorchTitan's pre-split `step(arg_mbs=, kwarg_mbs=, target_mbs=)` call
     (missing before torch 2.14), and
   * run every stage's forward and backward of micro-batch i inside a
-    `MicrobatchContext(stage, i, phase)`, timing it.
+    `MicrobatchContext(stage, i, phase)` (what the attention recorder reports).
 Each micro-batch's attention metadata (document layout and budget, an AttnMeta) is in
 `kwarg_mbs[i]`, which the schedule hands to every stage's forward; backward and
 activation recomputation reuse what that forward saved, so every stage of every
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -57,27 +56,6 @@ def microbatch_context(stage: int, microbatch: int, phase: str) -> Iterator[None
         _current.pop()
 
 
-class MicrobatchTimer:
-    """Wall time per (stage, micro-batch, phase) within one step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[tuple[int, int, str], float] = {}
-
-    def reset(self) -> None:
-        self.seconds = {}
-
-    def add(self, stage: int, microbatch: int, phase: str, seconds: float) -> None:
-        key = (stage, microbatch, phase)
-        self.seconds[key] = self.seconds.get(key, 0.0) + seconds
-
-    def per_microbatch(self, n: int) -> list[float]:
-        """Forward+backward seconds of each micro-batch summed over this rank's stages."""
-        out = [0.0] * n
-        for (_, mb, _), s in self.seconds.items():
-            out[mb] += s
-        return out
-
-
 def _has_presplit_step(schedule_cls: type) -> bool:
     return "arg_mbs" in inspect.signature(schedule_cls.step).parameters
 
@@ -85,14 +63,10 @@ def _has_presplit_step(schedule_cls: type) -> bool:
 class MicrobatchAwareSchedule:
     """Mixin over a torch pipeline schedule; see the module docstring."""
 
-    timer: MicrobatchTimer
-    synchronize = staticmethod(lambda: None)
-
     def _stages_list(self) -> list:
         return list(self._stages) if isinstance(self, PipelineScheduleMulti) else [self._stage]
 
     def _wrap_stages(self) -> None:
-        self.timer = MicrobatchTimer()
         for stage in self._stages_list():
             stage.forward_one_chunk = self._wrapped(stage, stage.forward_one_chunk, "forward")
             stage.backward_one_chunk = self._wrapped(stage, stage.backward_one_chunk, "backward")
@@ -100,11 +74,7 @@ class MicrobatchAwareSchedule:
     def _wrapped(self, stage, fn, phase: str):
         def run(chunk_id: int, *args, **kwargs):
             with microbatch_context(stage.stage_index, chunk_id, phase):
-                t0 = time.perf_counter()
-                out = fn(chunk_id, *args, **kwargs)
-                self.synchronize()
-                self.timer.add(stage.stage_index, chunk_id, phase, time.perf_counter() - t0)
-            return out
+                return fn(chunk_id, *args, **kwargs)
 
         return run
 
@@ -127,7 +97,6 @@ class MicrobatchAwareSchedule:
         loss_kwargs: dict | None = None,
         **kwargs,
     ):
-        self.timer.reset()
         presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
         if not presplit:
             return super().step(

@@ -36,9 +36,10 @@ from sb_titan.cost_model import (
     build_cost_model,
 )
 from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
+from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import model_registry
 from sb_titan.sab import SABConfig, StepPlan
-from sb_titan.schedule import MicrobatchTimer, current_microbatch, microbatch_context
+from sb_titan.schedule import current_microbatch, microbatch_context
 
 
 @dataclass(kw_only=True, slots=True)
@@ -74,10 +75,11 @@ class SBTrainer(Trainer):
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
-        self._mb_timer = MicrobatchTimer()
         self.cost_model = _cost_model(config)
         _configure_loader(config, copy.deepcopy(self.cost_model))
         super().__init__(config)
+        self._clock = BlockClock(self.device)
+        instrument_blocks(self.model_parts, self._clock)
         if config.sparse_attention.record:
             ATTENTION_OBSERVERS.append(self._record_attention)
 
@@ -138,26 +140,19 @@ class SBTrainer(Trainer):
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        mb = input_dict["microbatch"]
-        with microbatch_context(0, mb, "forward_backward"):
-            t0 = _now(self.device)
-            loss = super().forward_backward_step(
+        with microbatch_context(0, input_dict["microbatch"], "forward_backward"):
+            return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-            self._mb_timer.add(0, mb, "forward_backward", _now(self.device) - t0)
-        return loss
 
     def train_step(self, data_iterator) -> None:
-        self._mb_timer.reset()
+        self._clock.reset()
         t0 = _now(self.device)
         super().train_step(data_iterator)
         self._after_step(_now(self.device) - t0)
 
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
-        timer = self.pp_schedule.timer if self.parallel_dims.pp_enabled else self._mb_timer
-        seconds: dict[int, float] = {}
-        for (_, mb, _), s in timer.seconds.items():
-            seconds[mb] = seconds.get(mb, 0.0) + s
+        seconds = self._clock.seconds()
         stats: dict[int, list[float]] = {}
         for module in self._attention_modules():
             for mb, t in module.pop_stats().items():

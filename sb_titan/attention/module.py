@@ -140,6 +140,10 @@ def measurement_paused() -> Iterator[None]:
         _paused.pop()
 
 
+def is_measuring() -> bool:
+    return not _paused
+
+
 def _notify_backward(module: SBAttention, meta: AttnMeta) -> None:
     for observer in ATTENTION_OBSERVERS:
         observer(module, meta, "backward")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
@@ -23,6 +22,4 @@ def pipeline_qwen2_5(model, **kwargs):
     schedule, model_parts, has_first, has_last = pipeline_llm(model, **kwargs)
     name = kwargs["parallelism"].pipeline_parallel_schedule
     schedule = rebuild_schedule(schedule, name)
-    if kwargs["device"].type == "cuda":
-        schedule.synchronize = torch.cuda.synchronize
     return schedule, model_parts, has_first, has_last
