@@ -292,6 +292,7 @@ class _StepMeasurements:
     density: dict[tuple[int, int], float]
     recall: dict[tuple[int, int], float]
     budgets: list[list[float]]
+    pp_degree: int = 1
 
     @classmethod
     def from_gathered(cls, gathered: list[dict], plan: StepPlan, budgets) -> _StepMeasurements:
@@ -309,7 +310,8 @@ class _StepMeasurements:
         density = {k: v[0] / v[2] for k, v in sums.items() if v[2] > 0}
         recall = {k: v[1] / v[2] for k, v in sums.items() if v[2] > 0}
         step = max(g["step_seconds"] for g in gathered)
-        return cls(seconds, rank_compute, step, density, recall, budgets)
+        pp = 1 + max(g["pp"] for g in gathered)
+        return cls(seconds, rank_compute, step, density, recall, budgets, pp)
 
     def observations(self, plan: StepPlan) -> list[LatencyObservation]:
         out = []
@@ -341,6 +343,23 @@ class _StepMeasurements:
     def unit_seconds_flat(self) -> list[float]:
         return [s for _, s in sorted(self.seconds.items())]
 
+    def _excess_over_balanced(self) -> float:
+        """Seconds the step lost to uneven work: the critical path minus the same
+        path with every unit at the mean. Without PP the critical path is the slowest
+        rank's compute; under 1F1B-like schedules it is ~ sum of the slowest stage's
+        micro-batch times plus (p - 1) of the largest (warm-up and cool-down)."""
+        per_dp: dict[int, list[float]] = {}
+        for (dp, _), s in sorted(self.seconds.items()):
+            per_dp.setdefault(dp, []).append(s)
+        excess = []
+        for times in per_dp.values():
+            t = np.asarray(times)
+            p = self.pp_degree
+            excess.append((t.sum() + (p - 1) * t.max()) - (len(t) + p - 1) * t.mean())
+        rank_sums = [sum(t) for t in per_dp.values()]
+        dp_excess = max(rank_sums) - float(np.mean(rank_sums))
+        return float(max(excess) + dp_excess)
+
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
         mb_times = np.asarray(self.unit_seconds_flat())
@@ -357,6 +376,10 @@ class _StepMeasurements:
         if self.step_seconds > 0 and self.rank_compute:
             busy = np.asarray(list(self.rank_compute.values())) / self.step_seconds
             out["balance/bubble_share"] = float(np.clip(1.0 - busy, 0.0, 1.0).mean())
+        if len(mb_times) and per_dp:
+            out["balance/microbatch_max_s"] = float(mb_times.max())
+            out["balance/microbatch_mean_s"] = float(mb_times.mean())
+            out["balance/ideal_step_s"] = self.step_seconds - self._excess_over_balanced()
         if self.density:
             out["sparsity/density"] = float(np.mean(list(self.density.values())))
             out["sparsity/recall"] = float(np.mean(list(self.recall.values())))

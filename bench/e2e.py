@@ -1,0 +1,170 @@
+"""The four-variant end-to-end benchmark on real torchrun processes (CPU, 2 ranks).
+
+    python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--steps N]
+
+For each scenario (DP=2 with 4 micro-batches per rank; PP=2 with 4 micro-batches) it
+launches ./run_train.sh with train_configs/e2e_cpu.toml four times — baseline
+(sequential packing, static beta0), SAB only, DST only, SAB+DST — reads the TensorBoard
+events each run wrote and writes bench/results/e2e.json plus a table in
+docs/results.md. Step time is the median over the steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "train_configs" / "e2e_cpu.toml"
+OUT = REPO / "bench" / "results" / "e2e.json"
+WARMUP = 2
+
+SCENARIOS = {
+    "dp2": [],  # DP=2 (FSDP), 4 micro-batches (gradient accumulation) per rank
+    "pp2": [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--parallelism.pipeline_parallel_microbatch_size",
+        "1",
+        "--training.local_batch_size",
+        "4",
+        "--training.global_batch_size",
+        "-1",
+    ],
+}
+VARIANTS = {
+    "baseline": ["--sab.policy", "sequential"],
+    "sab": ["--sab.policy", "sab"],
+    "dst": ["--sab.policy", "sequential", "--dst.enabled"],
+    "sab_dst": ["--sab.policy", "sab", "--dst.enabled"],
+}
+
+
+def scalars(dump: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+def _median_after_warmup(series: dict[int, float]) -> float:
+    values = [v for step, v in sorted(series.items()) if step > WARMUP]
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
+    dump = root / scenario / variant
+    if dump.exists():
+        subprocess.run(["rm", "-rf", str(dump)], check=True)
+    args = [
+        "./run_train.sh",
+        "--dump_folder",
+        str(dump),
+        "--training.steps",
+        str(steps),
+        *SCENARIOS[scenario],
+        *VARIANTS[variant],
+    ]
+    env = dict(os.environ, CONFIG_FILE=str(CONFIG), NGPU="2", OMP_NUM_THREADS="1")
+    t0 = time.time()
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{scenario}/{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    s = scalars(dump)
+    med = lambda tag: _median_after_warmup(s.get(tag, {}))  # noqa: E731
+    loss = s["loss_metrics/global_avg_loss"]
+    return {
+        "step_time_s": med("time_metrics/end_to_end(s)"),
+        "ideal_bound_s": med("balance/ideal_step_s"),
+        "imbalance_max_over_mean": med("balance/rank_imbalance"),
+        "microbatch_imbalance": med("balance/microbatch_imbalance"),
+        "rank_compute_max_s": med("balance/rank_compute_max_s"),
+        "rank_compute_mean_s": med("balance/rank_compute_mean_s"),
+        "bubble_share": med("balance/bubble_share"),
+        "mean_recall": med("sparsity/recall"),
+        "mean_density": med("sparsity/density"),
+        "mean_budget": med("dst/budget_mean"),
+        "cost_model_ape": med("cost_model/ape_mean"),
+        "final_loss": loss[max(loss)],
+        "wall_s": time.time() - t0,
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    for scenario, variants in results["scenarios"].items():
+        lines += [
+            f"**{scenario}** ({results['steps']} steps, median after {WARMUP} warm-up steps)",
+            "",
+            "| variant | step s | speedup | ideal s | rank imb. | mb imb. | bubble | recall | "
+            "density | final loss |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in variants.items():
+            lines.append(
+                f"| {name} | {r['step_time_s']:.2f} | {r['speedup_vs_baseline']:.3f} | "
+                f"{r['ideal_bound_s']:.2f} | {r['imbalance_max_over_mean']:.3f} | "
+                f"{r['microbatch_imbalance']:.3f} | {r['bubble_share']:.3f} | "
+                f"{r['mean_recall']:.3f} | {r['mean_density']:.3f} | {r['final_loss']:.3f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 steps, DP scenario only")
+    parser.add_argument("--scenarios", default="dp2,pp2")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--root", type=Path, default=REPO / "outputs" / "bench_e2e")
+    args = parser.parse_args()
+    steps = 6 if args.quick else args.steps
+    scenarios = ["dp2"] if args.quick else args.scenarios.split(",")
+    results = {
+        "config": str(CONFIG.relative_to(REPO)),
+        "steps": steps,
+        "warmup": WARMUP,
+        "load_average_1min": os.getloadavg()[0],
+        "scenarios": {},
+    }
+    total = len(scenarios) * len(VARIANTS)
+    done = 0
+    for scenario in scenarios:
+        rows = {}
+        for variant in VARIANTS:
+            print(f"[{done + 1}/{total}] {scenario}/{variant} ...", flush=True)
+            rows[variant] = run_variant(scenario, variant, steps, args.root)
+            done += 1
+            r = rows[variant]
+            print(
+                f"    step {r['step_time_s']:.2f}s  imbalance {r['imbalance_max_over_mean']:.3f}"
+                f"  recall {r['mean_recall']:.3f}  ({r['wall_s']:.0f}s)",
+                flush=True,
+            )
+        base = rows["baseline"]["step_time_s"]
+        for r in rows.values():
+            r["speedup_vs_baseline"] = base / r["step_time_s"]
+        results["scenarios"][scenario] = rows
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(markdown(results))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
