@@ -193,8 +193,8 @@ class DensityStore:
             )
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
             raise ValueError(f"sab: observed sample id out of range [0, {self.num_samples})")
-        if not np.all(np.isfinite(values) & (values > 0)):
-            raise ValueError("sab: observed densities must be finite and > 0")
+        if not np.all((values > 0) & (values <= 1)):
+            raise ValueError("sab: observed densities must lie in (0, 1]")
         ids, last = np.unique(ids[::-1], return_index=True)  # a repeated id: last one wins
         self.log.append(_Observed(at_step, ids, values[::-1][last].astype(np.float32)))
 

@@ -179,6 +179,8 @@ def test_observations_shape_predictions(lengths):
     planner.observe(ids, [0.25] * len(ids), step=first.step)
     with pytest.raises(RuntimeError, match="observe_lag"):
         planner.observe(ids, [0.5] * len(ids), step=first.step - 1)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        planner.observe(ids, [1.5] * len(ids), step=first.step + 1)
     # Revisit the same samples (next epoch) and check their expected density.
     while planner.state.epoch == 0:
         planner.next_step()
