@@ -77,7 +77,26 @@ def test_pp_1f1b_matches_single_process_first_step(seed_ckpt, single, tmp_path):
     assert abs(loss[0] - single[0]) < 1e-4, (loss[0], single[0])
 
 
-def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path):
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        [],
+        # SAB + DST with density observations feeding the planner and the density model
+        # (refit off: it learns from wall-clock times, which no resume can reproduce).
+        [
+            "--sab.policy",
+            "sab",
+            "--dst.enabled",
+            "--cost_model.analytic_device",
+            "cpu",
+            "--cost_model.no-refit",
+            "--sab.observe_lag",
+            "4",
+        ],
+    ],
+    ids=["baseline", "sab_dst"],
+)
+def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path, recipe):
     # LR constant after warm-up (min_lr_factor 1), so a 3-step run schedules like a 6-step one.
     common = [
         "--checkpoint.enable",
@@ -90,6 +109,7 @@ def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path):
         "--lr_scheduler.min_lr_factor",
         "1.0",
         "--dataloader.sample_log",
+        *recipe,
     ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(1, [*common, "--training.steps", "6"], straight)

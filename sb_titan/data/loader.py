@@ -34,7 +34,8 @@ class StepPlanNode(BaseNode[StepPlan]):
     def __init__(self, planner: Planner) -> None:
         super().__init__()
         self.planner = planner
-        self._fresh = planner.state_dict()
+        # Snapshots leave the density store out: SBDataLoader checkpoints it live.
+        self._fresh = planner.state_dict(observations=False)
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -44,7 +45,7 @@ class StepPlanNode(BaseNode[StepPlan]):
         return self.planner.next_step()
 
     def get_state(self) -> dict[str, Any]:
-        return {"planner": self.planner.state_dict()}
+        return {"planner": self.planner.state_dict(observations=False)}
 
 
 class RankMicrobatchNode(BaseNode[tuple[StepPlan, int]]):
@@ -92,8 +93,8 @@ def pack_microbatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of [seq_len]: tokens, labels (next token within a piece) and positions.
 
-    Positions restart at 0 at every piece and at the padding, so attention (which
-    derives documents from positions) never crosses a document or into padding.
+    Positions restart at 0 at every piece, so attention (which derives documents from
+    positions) never crosses a document or reaches into padding.
     """
     n_rows = len(mb.rows)
     tokens = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
@@ -112,7 +113,8 @@ def pack_microbatch(
             labels[r, at : at + piece.length - 1] = t[1:]
             positions[r, at : at + piece.length] = np.arange(piece.length)
             at += piece.length
-        positions[r, at:] = np.arange(seq_len - at)
+        # positions stay 0 over the padding: every pad token is its own document, so
+        # sparse attention spends only diagonal blocks on it (no quadratic padding cost).
     return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(positions)
 
 
@@ -185,7 +187,13 @@ class SBDataLoader(BaseDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         # One key per DP rank (as TorchTitan's loaders do); pickled so DCP stores it as bytes.
-        return {f"dp_rank_{self.dp_rank}": pickle.dumps(self.loader.state_dict())}
+        # The planner's density store is taken live: per-item snapshots are made when an
+        # item is produced, before the trainer observed the steps still in flight.
+        state = {
+            "loader": self.loader.state_dict(),
+            "sab_densities": self.planner.observation_state(),
+        }
+        return {f"dp_rank_{self.dp_rank}": pickle.dumps(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         key = f"dp_rank_{self.dp_rank}"
@@ -199,7 +207,9 @@ class SBDataLoader(BaseDataLoader):
         # A fresh Loader: the checkpointer's state_dict() call (to build its load
         # template) already created an iterator that would otherwise ignore this state.
         self.loader = Loader(self._root)
-        self.loader.load_state_dict(pickle.loads(state_dict[key]))
+        state = pickle.loads(state_dict[key])
+        self.planner.load_observation_state(state["sab_densities"])
+        self.loader.load_state_dict(state["loader"])
 
 
 def _token_count_cost(doc_lens: list[int]) -> float:
