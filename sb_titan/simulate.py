@@ -1,12 +1,12 @@
 """`sb-simulate`: SAB and DST at 8-1024 GPUs, replayed on a CPU.
 
 Per step: documents come from a length distribution (longtail-v1 or an indexed
-dataset's lengths), the project's own `sab.Planner` packs them (policy `sequential`
-for the baseline and DST-only, `sab` for SAB and SAB+DST), the project's own
+dataset's lengths), the project's own `sab.Planner` packs them (policy `sequential`,
+or `tokens`, for the baseline and DST-only, `sab` for SAB and SAB+DST), the project's own
 `dst.tune_budgets` gives every work unit its budget (DST off: beta0 everywhere), the
 project's own `CostModel` times every micro-batch on every pipeline stage, and the
 pipeline schedule is replayed event by event in the order torch.distributed.pipelining
-itself generates (1F1B, Interleaved1F1B, GPipe). DP ranks wait for the slowest at the
+runs it (1F1B, Interleaved1F1B, GPipe). DP ranks wait for the slowest at the
 gradient reduction. Nothing here re-implements planning, budgeting or cost prediction:
 the simulator only adds the schedule replay and the cluster's communication.
 See docs/simulate.md for the method, the assumptions and results.
@@ -27,7 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from sb_titan.cost_model import AnalyticSpec, CostModel, DensityModel, Profile, Unit
+from sb_titan.cost_model import (
+    ANALYTIC_DEVICES,
+    AnalyticSpec,
+    CostModel,
+    DensityModel,
+    Unit,
+    analytic_spec,
+)
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
 from sb_titan.models.qwen2_5 import FLAVORS, Qwen25Dims
@@ -42,27 +49,6 @@ JSON_VERSION = 1
 
 
 # ----------------------------------------------------------------------------- assumptions
-
-
-@dataclass(frozen=True, slots=True)
-class Device:
-    """Analytic device model: what AnalyticSpec needs, and why (docs/simulate.md)."""
-
-    name: str
-    peak_flops: float  # dense BF16 tensor-core peak, FLOP/s
-    gemm_efficiency: float  # projections + MLP + head, share of peak
-    attn_efficiency: float  # block-sparse flash attention fwd+bwd, share of peak
-    overhead_seconds: float  # per micro-batch and stage: launches, small kernels
-    hbm: str  # memory, for the record
-
-
-DEVICES: dict[str, Device] = {
-    # H100 SXM: 989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s.
-    "h100": Device("h100", 989e12, 0.60, 0.40, 1e-3, "80 GB HBM3, 3.35 TB/s"),
-    # H200 SXM: the same GH100 compute, 141 GB HBM3e at 4.8 TB/s; the faster memory
-    # lifts the memory-bound share (norms, softmax statistics, estimator) a little.
-    "h200": Device("h200", 989e12, 0.62, 0.42, 1e-3, "141 GB HBM3e, 4.8 TB/s"),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,10 +275,12 @@ def stage_params(dims: Qwen25Dims, layers: int, embedding: bool, head: bool) -> 
     return params
 
 
-def analytic_spec(
-    dims: Qwen25Dims, layers: int, head: bool, device: Device, block_size: int
+def stage_spec(
+    dims: Qwen25Dims, layers: int, head: bool, device: str, block_size: int
 ) -> AnalyticSpec:
-    return AnalyticSpec(
+    """The cost model's analytic spec (cost_model.ANALYTIC_DEVICES) for one stage."""
+    return analytic_spec(
+        device,
         hidden=dims.dim,
         heads=dims.n_heads,
         kv_heads=dims.n_kv_heads,
@@ -301,11 +289,6 @@ def analytic_spec(
         layers=max(layers, 1),
         vocab_size=dims.vocab_size if head else 0,
         block_size=block_size,
-        peak_flops=device.peak_flops,
-        gemm_efficiency=device.gemm_efficiency,
-        attn_efficiency=device.attn_efficiency,
-        overhead_seconds=device.overhead_seconds,
-        device_name=f"analytic-{device.name}",
     )
 
 
@@ -326,7 +309,7 @@ def build_cost_models(
     dims: Qwen25Dims,
     cluster: Cluster,
     *,
-    device: Device | None,
+    device: str | None,
     profile: str | None,
     block_size: int,
     beta0: float,
@@ -344,15 +327,16 @@ def build_cost_models(
         params[r] += stage_params(dims, split.layers[s], split.embedding[s], split.head[s])
     density = DensityModel(prior_exponent=density_exponent)
     if profile is not None:
-        cm = CostModel(Profile.load(profile), density_model=density)
+        cm = CostModel.from_file(profile, density_model=density)
         desc = f"profile {profile} (one stage; every rank, 1/{cluster.virtual_stages} per chunk)"
         return CostModels(cm, [cm] * cluster.n_stages, 1.0 / cluster.virtual_stages, params, desc)
-    assert device is not None
+    if device is None:
+        raise ValueError("need an analytic device or a profile")
     cache: dict[tuple[int, bool], CostModel] = {}
 
     def model(layers: int, head: bool) -> CostModel:
         if (layers, head) not in cache:
-            spec = analytic_spec(dims, layers, head, device, block_size)
+            spec = stage_spec(dims, layers, head, device, block_size)
             cache[(layers, head)] = CostModel.analytic(spec, density_model=density)
         return cache[(layers, head)]
 
@@ -367,7 +351,7 @@ def build_cost_models(
     row = [cluster.seq_len]
     slowest = max(per_rank, key=lambda lh: model(*lh).predict_budget(row, beta0, policy))
     desc = (
-        f"analytic {device.name}: layers per stage {list(split.layers)}, head on the last; "
+        f"analytic {device}: layers per stage {list(split.layers)}, head on the last; "
         f"planning/DST on the slowest rank ({slowest[0]} layers{', head' if slowest[1] else ''})"
     )
     return CostModels(model(*slowest), stages, 1.0, params, desc)
@@ -470,7 +454,8 @@ class Simulator:
         self.orders = schedule_orders(c.schedule, c.pp, c.microbatches, c.virtual_stages)
         self.reduction_s = max(self.network.allreduce_seconds(p, c.dp) for p in self.models.params)
 
-    def cost_config(self, variant: str) -> DSTConfig:
+    def dst_config(self, variant: str) -> DSTConfig:
+        """The run's [dst] config, switched off for the variants without DST."""
         return dataclasses.replace(self.dst, enabled=self.dst.enabled and _DST_ON[variant])
 
     def stage_seconds(self, plan: StepPlan, budgets: np.ndarray) -> np.ndarray:
@@ -488,10 +473,9 @@ class Simulator:
         return out
 
     def run_step(self, plan: StepPlan, variant: str, keep_timeline: bool = False) -> StepResult:
+        """One variant of one step: budget it, time every stage, replay, reduce."""
         c = self.cluster
-        budgets, decision = step_budgets(
-            plan, self.models.planning, self.cost_config(variant), c.pp
-        )
+        budgets, decision = step_budgets(plan, self.models.planning, self.dst_config(variant), c.pp)
         total = self.stage_seconds(plan, budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
         tokens = np.array([[mb.num_tokens for mb in rank] for rank in plan.microbatches]).T
@@ -516,7 +500,7 @@ class Simulator:
             rank_imbalance=float(rank_compute.max() / rank_compute.mean()),
             microbatch_imbalance=float(mb_work.max() / mb_work.mean()),
             mean_budget=float(budgets.mean()),
-            clamped=decision.n_clamped if self.cost_config(variant).enabled else 0,
+            clamped=decision.n_clamped if self.dst_config(variant).enabled else 0,
             tokens=int(tokens.sum()),
             budgets_digest=decision.digest(),
             padding=1.0 - float(tokens.sum()) / capacity,
@@ -562,7 +546,7 @@ def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
     models = build_cost_models(
         dims,
         cluster,
-        device=DEVICES[sc.device] if sc.profile is None else None,
+        device=sc.device if sc.profile is None else None,
         profile=sc.profile,
         block_size=sc.block_size,
         beta0=sc.dst.beta0,
@@ -666,7 +650,7 @@ def report(
         },
         "assumptions": {
             "cost_model": sim.models.description,
-            "device": dataclasses.asdict(DEVICES[sc.device]) if sc.profile is None else None,
+            "device": None if sc.profile else {"name": sc.device, **ANALYTIC_DEVICES[sc.device]},
             "network": dataclasses.asdict(sc.network),
             "bwd_over_fwd": sc.bwd_over_fwd,
             "reduction": "ring all-reduce of each pipeline rank's gradients after the last "
@@ -775,7 +759,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, help="rows of seq_len per micro-batch (default 1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="sb-profile JSON (one stage) instead of the analytic model")
-    src.add_argument("--device", choices=sorted(DEVICES), help="analytic device (default h200)")
+    src.add_argument(
+        "--device", choices=sorted(ANALYTIC_DEVICES), help="analytic device (default h200)"
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, help="row length R (config, else 65536)")
     p.add_argument("--data", help="sb-prep dataset directory (lengths only); default longtail-v1")

@@ -168,3 +168,21 @@ def test_cli_json_keys_and_plot(tmp_path, capsys):
     assert "baseline" in capsys.readouterr().out
     if "--plot" in argv:
         assert (tmp_path / "sim.png").stat().st_size > 0
+
+
+def test_cli_with_a_profile_and_interleaved(tmp_path):
+    """A measured profile replaces the analytic model (here: one saved from it)."""
+    from sb_titan.cost_model import analytic_profile
+    from sb_titan.models.qwen2_5 import FLAVORS
+    from sb_titan.simulate import stage_spec
+
+    prof = tmp_path / "stage.json"
+    analytic_profile(stage_spec(FLAVORS["0.5b"], 12, True, "h100", 64)).save(prof)
+    out = tmp_path / "sim.json"
+    argv = ["--flavor", "0.5b", "--dp", "2", "--pp", "2", "--microbatches", "4"]
+    argv += ["--schedule", "Interleaved1F1B", "--profile", str(prof), "--seq-len", "4096"]
+    assert main(argv + ["--steps", "1", "--quiet", "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["assumptions"]["device"] is None
+    assert str(prof) in rep["assumptions"]["cost_model"]
+    assert rep["setup"]["virtual_stages"] == 2
