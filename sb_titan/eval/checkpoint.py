@@ -1,0 +1,150 @@
+"""Load a trained model for evaluation: a DCP checkpoint (+ its TOML) or an HF directory.
+
+A TorchTitan DCP checkpoint stores the model's parameters under their own names at the
+top level (next to optimizer / dataloader / train_state entries when it is a full
+checkpoint), so loading asks DCP for just the model's keys; no process group is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from sb_titan.attention.module import SparseAttentionConfig
+from sb_titan.data.tokenizer import EOS, TOKENIZER_DIR
+from sb_titan.models.qwen2_5 import Qwen25Dims, dims_from_hf_config, model_registry
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    dims: Qwen25Dims
+    attention: SparseAttentionConfig
+    tokenizer_dir: Path
+    source: str
+    default_budget: float = 1.0
+    """The budget a sparse evaluation uses unless told otherwise (the config's beta0)."""
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step-N directory itself, or the newest step-N inside a checkpoint folder
+    (dump_folder/checkpoint) or a dump folder."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    for parent in (path, path / "checkpoint"):
+        steps = [
+            (int(m.group(1)), p)
+            for p in parent.glob("step-*")
+            if (m := _STEP.match(p.name)) and (p / ".metadata").is_file()
+        ]
+        if steps:
+            return max(steps)[1]
+    raise FileNotFoundError(f"checkpoint: no DCP checkpoint (step-N/.metadata) under {path}")
+
+
+def build_model(
+    dims: Qwen25Dims, attention: SparseAttentionConfig, flavor: str = "hf"
+) -> nn.Module:
+    spec = model_registry(flavor, attention=attention, dims=dims)
+    model = spec.model.build()
+    model.init_weights()  # also fills the RoPE cache buffers
+    return model.eval()
+
+
+def load_dcp_into(model: nn.Module, checkpoint: str | Path) -> Path:
+    """Fill `model`'s parameters from a DCP checkpoint (model-only or full)."""
+    import torch.distributed.checkpoint as dcp
+
+    step_dir = resolve_checkpoint(checkpoint)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=str(step_dir))
+    model.load_state_dict(state, strict=True)
+    return step_dir
+
+
+def load_from_config(
+    checkpoint: str | Path | None,
+    config_path: str | Path,
+    attention: str | None = None,
+    cli_args: list[str] | None = None,
+) -> LoadedModel:
+    """The model a TOML config trains, with weights from `checkpoint` (random if None)."""
+    from sb_titan.config.toml import load_config
+
+    config = load_config(config_path, cli_args)
+    attn = _attention(config.sparse_attention, attention)
+    flavor = config.model.flavor
+    from sb_titan.models.qwen2_5 import FLAVORS
+
+    dims = FLAVORS[flavor]
+    if config.model.tie_embeddings is not None:
+        dims = dataclasses.replace(dims, tie_embeddings=config.model.tie_embeddings)
+    model = build_model(dims, attn, flavor)
+    source = f"{config_path} (random init)"
+    if checkpoint is not None:
+        source = str(load_dcp_into(model, checkpoint))
+    return LoadedModel(
+        model, dims, attn, Path(config.hf_assets_path), source, default_budget=config.dst.beta0
+    )
+
+
+def load_from_hf(hf_dir: str | Path, attention: str | None = None) -> LoadedModel:
+    """A Hugging Face Qwen2 directory (config.json + *.safetensors) into our model."""
+    from safetensors.torch import load_file
+
+    from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
+
+    hf_dir = Path(hf_dir)
+    dims = dims_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    attn = _attention(SparseAttentionConfig(enabled=False), attention)
+    model = build_model(dims, attn)
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"hf: no *.safetensors in {hf_dir}")
+    hf_state: dict[str, torch.Tensor] = {}
+    for f in files:
+        hf_state.update(load_file(f))
+    adapter = Qwen25StateDictAdapter(
+        model_registry("hf", attention=attn, dims=dims).model, str(hf_dir)
+    )
+    state = adapter.from_hf(hf_state)
+    dtype = next(model.parameters()).dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    tok_dir = hf_dir if (hf_dir / "tokenizer.json").is_file() else TOKENIZER_DIR
+    return LoadedModel(model, dims, attn, tok_dir, str(hf_dir))
+
+
+def _attention(base: SparseAttentionConfig, mode: str | None) -> SparseAttentionConfig:
+    """`dense` / `sparse` override of the config's [sparse_attention].enabled."""
+    if mode is None:
+        return base
+    if mode not in ("dense", "sparse"):
+        raise ValueError(f"--attention: {mode!r} is not 'dense' or 'sparse'")
+    return dataclasses.replace(base, enabled=mode == "sparse")
+
+
+def eos_ids(tokenizer, tokenizer_dir: Path) -> list[int]:
+    """End-of-sequence ids: generation_config.json's, else tokenizer_config's eos_token."""
+    gen = tokenizer_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [int(eos)]
+    names = [EOS]
+    cfg = tokenizer_dir / "tokenizer_config.json"
+    if cfg.is_file():
+        tok = json.loads(cfg.read_text()).get("eos_token")
+        if isinstance(tok, dict):
+            tok = tok.get("content")
+        if tok:
+            names.insert(0, tok)
+    return sorted({i for n in names if (i := tokenizer.token_to_id(n)) is not None})
