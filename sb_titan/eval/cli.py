@@ -1,0 +1,149 @@
+"""`sb-eval`: accuracy of a trained checkpoint (or an HF directory).
+
+    sb-eval longbench --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+        --data longbench/data --tasks hotpotqa,trec [--attention sparse --budget 0.9] \\
+        [--max-length 31500] [--out eval/longbench]
+    sb-eval longbench --hf exported/qwen --data longbench/data
+    sb-eval retrieval --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+        --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 [--trials 8] [--out eval/retrieval]
+
+`--attention sparse` runs the prompt (prefill) through the recipe's dynamic sparse
+attention at `--budget` (default: the config's dst.beta0); generated tokens attend
+densely to the KV cache. Default attention: the config's [sparse_attention].enabled
+(`--hf`: dense).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="DCP step-N dir, or a checkpoint/dump folder")
+    src.add_argument("--hf", help="a Hugging Face Qwen2 directory (e.g. from sb-export)")
+    p.add_argument("--config", help="TOML the checkpoint was trained with (with --checkpoint)")
+    p.add_argument("--attention", choices=("dense", "sparse"), default=None)
+    p.add_argument("--budget", type=float, default=None, help="sparse prefill budget in (0, 1]")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="output directory")
+
+
+def _load(args: argparse.Namespace):
+    from sb_titan.eval.checkpoint import load_from_config, load_from_hf
+
+    if args.checkpoint is not None:
+        if args.config is None:
+            sys.exit("sb-eval: --checkpoint needs --config (the TOML it was trained with)")
+        return load_from_config(args.checkpoint, args.config, args.attention)
+    return load_from_hf(args.hf, args.attention)
+
+
+def _budget(args: argparse.Namespace, loaded) -> float:
+    budget = loaded.default_budget if args.budget is None else args.budget
+    if not 0.0 < budget <= 1.0:
+        sys.exit(f"sb-eval: --budget {budget} must be in (0, 1]")
+    return budget if loaded.attention.enabled else 1.0
+
+
+def _describe(loaded, budget: float) -> str:
+    mode = f"sparse prefill, budget {budget:g}" if loaded.attention.enabled else "dense"
+    return f"model {loaded.source} | attention: {mode}"
+
+
+def cmd_longbench(args: argparse.Namespace) -> dict:
+    from sb_titan.data.tokenizer import load_tokenizer
+    from sb_titan.eval.checkpoint import eos_ids
+    from sb_titan.eval.generate import Generator
+    from sb_titan.eval.longbench import TASKS, LongBenchConfig, format_table, run_longbench
+
+    tasks = TASKS if args.tasks is None else tuple(t.strip() for t in args.tasks.split(","))
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        sys.exit(f"sb-eval: unsupported task(s) {unknown}; English LongBench tasks: {TASKS}")
+    loaded = _load(args)
+    budget = _budget(args, loaded)
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    gen = Generator(loaded.model, tok, eos_ids(tok, loaded.tokenizer_dir), budget)
+    cfg = LongBenchConfig(Path(args.data), tasks, args.max_length, args.e, args.limit)
+    print(_describe(loaded, budget))
+    out = Path(args.out) if args.out else None
+    report = run_longbench(gen, cfg, out)
+    report.update(model=loaded.source, attention=_mode(loaded), budget=budget)
+    if out is not None:
+        (out / "result.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    return report
+
+
+def cmd_retrieval(args: argparse.Namespace) -> dict:
+    from sb_titan.data.tokenizer import load_tokenizer
+    from sb_titan.eval.retrieval import (
+        RetrievalConfig,
+        format_grid,
+        parse_lengths,
+        run_retrieval,
+        save_heatmap,
+        save_report,
+    )
+
+    loaded = _load(args)
+    budget = _budget(args, loaded)
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    cfg = RetrievalConfig(
+        lengths=parse_lengths(args.lengths),
+        depths=[float(d) for d in args.depths.split(",")],
+        trials=args.trials,
+        seed=args.seed,
+        batch_size=args.batch_size,
+    )
+    print(_describe(loaded, budget))
+    report = run_retrieval(loaded.model, tok, cfg, budget)
+    report.update(model=loaded.source, attention=_mode(loaded))
+    print(format_grid(report))
+    out = Path(args.out or "eval_retrieval")
+    save_report(report, out / "retrieval.json")
+    png = save_heatmap(report, out / "retrieval.png", title=f"retrieval ({_mode(loaded)})")
+    print(f"wrote {out / 'retrieval.json'} and {png}")
+    return report
+
+
+def _mode(loaded) -> str:
+    return "sparse" if loaded.attention.enabled else "dense"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sb-eval", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    lb = sub.add_parser("longbench", help="LongBench tasks from local JSONL files")
+    _add_model_args(lb)
+    lb.add_argument("--data", required=True, help="directory of <task>.jsonl files")
+    lb.add_argument("--tasks", default=None, help="comma-separated (default: all English tasks)")
+    lb.add_argument("--max-length", type=int, default=31500, help="prompt tokens kept (middle cut)")
+    lb.add_argument("--e", action="store_true", help="LongBench-E files and length buckets")
+    lb.add_argument("--limit", type=int, default=None, help="first N samples per task")
+
+    rt = sub.add_parser("retrieval", help="key-value retrieval by length and depth")
+    _add_model_args(rt)
+    rt.add_argument("--lengths", default="1k,2k,4k")
+    rt.add_argument("--depths", default="0,0.25,0.5,0.75,1")
+    rt.add_argument("--trials", type=int, default=8)
+    rt.add_argument("--seed", type=int, default=1234)
+    rt.add_argument("--batch-size", type=int, default=1)
+
+    args = parser.parse_args(argv)
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
+    {"longbench": cmd_longbench, "retrieval": cmd_retrieval}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
