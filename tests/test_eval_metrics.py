@@ -47,7 +47,10 @@ def test_classification():
     assert classification_score("Date or City", "Date", all_classes=classes) == 0.5
     assert classification_score("City", "Date", all_classes=classes) == 0.0
     # a class that is a substring of the true class does not count against it
-    assert classification_score("Human being", "Human being", all_classes=["Human being", "Human"]) == 1.0
+    assert (
+        classification_score("Human being", "Human being", all_classes=["Human being", "Human"])
+        == 1.0
+    )
     # the reference removes while iterating, so "b" survives: 1/2, not 1
     assert classification_score("a b", "a b", all_classes=["a b", "a", "b"]) == 0.5
 
