@@ -127,6 +127,23 @@ def test_matches_independent_reference(policy, budget, Hq, Hkv, D, bs, docs):
     assert_all_close(got64, ref, 1e-10)
 
 
+@pytest.mark.parametrize("policy,budget", [("topk", 1.0), ("mass", 0.5)])
+def test_rows_split_into_slices_match_reference(monkeypatch, policy, budget):
+    """Rows longer than the chunk limit are cut along their kept list (online softmax in
+    the forward, accumulated dQ/dK/dV); two blocks per slice here."""
+    from sb_titan.attention import block_sparse
+
+    monkeypatch.setattr(block_sparse, "_CHUNK_ELEMS", 2 * 2 * 64 * 64)
+    doc_id = make_doc_id([[40, 300, 200, 110], [100, 10, 30, 510]])
+    q, k, v = make_qkv(2, 4, 2, 650, 64, torch.float64)
+    table, _ = select_blocks(q, k, doc_id, budget, policy=policy, block_size=64)
+    assert int(table.kv_count.max()) > 2 and int(table.q_count.max()) > 2
+    grad_out = torch.randn(2, 4, 650, 64, dtype=torch.float64)
+    ref = grads(lambda q, k, v: reference_attention(q, k, v, doc_id, table), q, k, v, grad_out)
+    got = grads(lambda q, k, v: block_sparse_attention(q, k, v, doc_id, table), q, k, v, grad_out)
+    assert_all_close(got, ref, 1e-10)
+
+
 def test_lse_is_logsumexp_of_kept_scores():
     doc_id = make_doc_id(DOCS_650)
     q, k, v = make_qkv(2, 2, 1, 650, 64, torch.float64)
@@ -394,5 +411,8 @@ def test_bad_arguments_raise_clear_errors():
     no_diag = table._replace(kv_index=torch.zeros_like(table.kv_index))
     with pytest.raises(ValueError, match="end with the diagonal"):
         block_sparse_attention(q, k, v, doc_id, no_diag)
+    bad_transpose = table._replace(q_count=table.q_count + 1)
+    with pytest.raises(ValueError, match="not the transpose"):
+        block_sparse_attention(q, k, v, doc_id, bad_transpose)
     with pytest.raises(ValueError, match="table.kv_count must be"):
         block_sparse_attention(q, k[:, :1], v[:, :1], doc_id, table)

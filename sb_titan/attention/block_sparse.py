@@ -3,15 +3,16 @@
 Work is linear in the kept block pairs. Rows of the block table (one per (b, kv head,
 query block)) are grouped by their kept count c; a group gathers its c key blocks into
 one [n, c*Bs, D] tensor and runs one batched matmul for all G query heads of the kv
-head at once ([n, G*Bs, D] x [n, D, c*Bs]). A group holds complete softmax rows, so the
-forward needs no online rescaling; like flash attention it returns out and the
-log-sum-exp (lse), and the backward recomputes probabilities from the lse.
-
-The backward makes one pass over the kv table: dQ rows are written once, and the
-[Bs, D] dK/dV tiles of every pair are summed with `index_add_`. On CPU that scatter is
-sequential and deterministic and costs 1/G of the score work, whereas a second pass
-over the transposed table (what the Triton kernels do, to avoid atomics) recomputes
-two more matmuls per pair: measured 6.7x vs 5.0x over dense at 10% density.
+head at once ([n, G*Bs, D] x [n, D, c*Bs]). A group normally holds complete softmax
+rows, so the forward needs no online rescaling (rows longer than the chunk limit are
+cut into slices and merged flash-style). Like flash attention the forward returns out
+and the log-sum-exp (lse), and the backward recomputes probabilities from the lse:
+  - dQ over rows of the kv table (query block -> its kept key blocks);
+  - dK, dV over rows of the transposed table (key block -> the query blocks that kept
+    it), batched the same way.
+Every gradient block is written exactly once, so nothing is scattered: deterministic,
+and no `index_add_` (whose multi-threaded CPU path is slow). The price is recomputing
+the scores twice in the backward, 9 matmuls per pair in all instead of 7.
 
 CPU details that matter for speed (measured, see docs/attention.md):
   - scores are kept in base 2 (q is pre-scaled by scale * log2(e)) because exp2 is ~3x
@@ -104,8 +105,8 @@ def _to_q_blocks(
     if L % bs:
         out[nb - 1 :: nb].zero_()
     for src, dst in _q_views(x, out, hkv, bs):
-        torch.mul(src, scale, out=dst) if scale != 1.0 else dst.copy_(src)
-    return out
+        dst.copy_(src)
+    return out.mul_(scale) if scale != 1.0 else out
 
 
 def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: float = 1.0):
@@ -117,7 +118,11 @@ def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: 
 
 
 def _plan(count: torch.Tensor, per_pair: int) -> list[tuple[int, torch.Tensor]]:
-    """(c, flat row ids) for rows with equal count c, cut to at most _CHUNK_ELEMS."""
+    """(c, flat row ids) for rows with equal count c, cut to at most _CHUNK_ELEMS scores.
+
+    Rows whose c alone exceeds the limit come one at a time and are split along their
+    kept list (`_slices`), so every score buffer stays below _CHUNK_ELEMS.
+    """
     flat = count.flatten()
     order = torch.argsort(flat, stable=True)
     values, sizes = torch.unique_consecutive(flat[order], return_counts=True)
@@ -128,16 +133,23 @@ def _plan(count: torch.Tensor, per_pair: int) -> list[tuple[int, torch.Tensor]]:
     return plan
 
 
+def _slices(c: int, per_pair: int) -> list[tuple[int, int]]:
+    """Slot ranges [s0, s1) of a kept list of length c, each within _CHUNK_ELEMS scores."""
+    step = max(1, _CHUNK_ELEMS // per_pair)
+    return [(s0, min(c, s0 + step)) for s0 in range(0, c, step)]
+
+
 class _Buffers:
     """Flat scratch tensors reused across chunks (views are handed out with `out=`).
 
-    sizes[k] = (elements per row, elements per kept pair) of buffer k.
+    sizes[k] = (elements per row, elements per kept pair in one slice) of buffer k.
     """
 
-    def __init__(self, plan, sizes, dtype: torch.dtype, device: torch.device):
+    def __init__(self, plan, per_pair: int, sizes, dtype: torch.dtype, device: torch.device):
+        width = max(1, _CHUNK_ELEMS // per_pair)
         self.flat = [
             torch.empty(
-                max((len(r) * (row + c * pair) for c, r in plan), default=0),
+                max((len(r) * (row + min(c, width) * pair) for c, r in plan), default=0),
                 dtype=dtype,
                 device=device,
             )
@@ -155,24 +167,47 @@ def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.
     return out
 
 
-def _mask_kv_chunk(s: torch.Tensor, bi: torch.Tensor, idx: torch.Tensor, masks: _Masks, bs: int):
+def _mask_kv_chunk(s, bi: torch.Tensor, idx: torch.Tensor, masks: _Masks, bs: int, diag: bool):
     """Add the document-causal mask to scores s [n, G*Bs, c*Bs] of query blocks bi [n]
-    against key blocks idx [n, c] (ascending, the last one the diagonal)."""
+    against key blocks idx [n, c] (ascending; if `diag`, the last one is the diagonal)."""
     n, c = idx.shape
     s5 = s.view(n, -1, bs, c, bs)  # [n, G, Bs_q, c, Bs_k]
-    s5[:, :, :, c - 1].add_(masks.diag[bi][:, None])
-    if c == 1:
+    off = c - 1 if diag else c  # off-diagonal slots are [0, off)
+    if diag:
+        s5[:, :, :, off].add_(masks.diag[bi][:, None])
+    if off == 0:
         return
     if bool(masks.mixed[bi].any()):
-        s5[:, :, :, : c - 1].add_(masks.row[bi][:, None, :, None, None])
+        s5[:, :, :, :off].add_(masks.row[bi][:, None, :, None, None])
     start = masks.first_start[bi][:, None]
-    cut = start > idx[:, : c - 1] * bs  # key block starts before first_doc(i)
+    cut = start > idx[:, :off] * bs  # key block starts before first_doc(i)
     if bool(cut[:, 1:].any()):  # only tables not made by select_blocks get here
-        kpos = idx[:, : c - 1, None] * bs + torch.arange(bs, device=s.device)
-        s5[:, :, :, : c - 1].add_(_bias(kpos >= start[:, :, None], s.dtype)[:, None, None])
+        kpos = idx[:, :off, None] * bs + torch.arange(bs, device=s.device)
+        s5[:, :, :, :off].add_(_bias(kpos >= start[:, :, None], s.dtype)[:, None, None])
     elif bool(cut[:, 0].any()):  # sink block of a document that starts mid-block
         kpos = idx[:, :1] * bs + torch.arange(bs, device=s.device)
         s5[:, :, :, 0].add_(_bias(kpos >= start, s.dtype)[:, None, None])
+
+
+def _mask_q_chunk(
+    s, bj: torch.Tensor, j: torch.Tensor, bi: torch.Tensor, masks: _Masks, bs: int, diag: bool
+):
+    """Add the mask to scores s [n, c*G*Bs_q, Bs_k] of query blocks bi [n, c] (ascending;
+    if `diag`, the first one is the diagonal) against key blocks bj [n] (j within the row)."""
+    n, c = bi.shape
+    s5 = s.view(n, c, -1, bs, bs)  # [n, c, G, Bs_q, Bs_k]
+    first = 1 if diag else 0  # off-diagonal slots are [first, c)
+    if diag:
+        s5[:, 0].add_(masks.diag[bj][:, None])
+    if first == c:
+        return
+    off = bi[:, first:]
+    if bool(masks.mixed[off].any()):
+        s5[:, first:].add_(masks.row[off][:, :, None, :, None])
+    start = masks.first_start[off]  # [n, c - first]
+    if bool((start > j[:, None] * bs).any()):
+        kpos = j[:, None, None] * bs + torch.arange(bs, device=s.device)  # [n, 1, Bs_k]
+        s5[:, first:].add_(_bias(kpos >= start[:, :, None], s.dtype)[:, :, None, None])
 
 
 def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) -> None:
@@ -199,8 +234,12 @@ def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) 
     last = torch.gather(index, -1, (count - 1)[..., None])[..., 0]
     slot = torch.arange(index.shape[-1], device=index.device)
     rising = (index[..., 1:] > index[..., :-1]) | (slot[1:] >= count[..., None])
-    if not bool((last == torch.arange(nb, device=index.device)).all() and rising.all()):
+    blocks = torch.arange(nb, device=index.device)
+    if not bool((last == blocks).all() and rising.all()):
         raise ValueError("kv_index rows must be ascending and end with the diagonal block")
+    q_count, q_index = table.q_count.long(), table.q_index.long()
+    if int(q_count.sum()) != int(count.sum()) or not bool((q_index[..., 0] == blocks).all()):
+        raise ValueError("q_count/q_index are not the transpose of kv_count/kv_index")
 
 
 def _blocks_of(rows: torch.Tensor, nb: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,24 +268,46 @@ def block_sparse_forward(
     out = torch.empty_like(qblk)
     lse = torch.empty(*qblk.shape[:3], 1, dtype=wd, device=q.device)  # base 2
     kv_index = table.kv_index.long().flatten(0, 2)
-    plan = _plan(table.kv_count, G * bs * bs)
-    gbd = G * bs * D
-    buf = _Buffers(plan, [(0, G * bs * bs), (0, bs * D), (gbd, 0), (gbd, 0)], wd, q.device)
+    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
+    plan = _plan(table.kv_count, gbb)
+    sizes = [(0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0), (gb, 0)]
+    buf = _Buffers(plan, gbb, sizes, wd, q.device)
     for c, rows in plan:
         n = len(rows)
         base, bi = _blocks_of(rows, nb, hkv)
-        idx = kv_index[rows, :c]
-        krows = base[:, None] + idx
-        kb = _gather(kblk, krows, buf(1, n, c * bs, D))
-        qb = _gather(qblk, rows, buf(2, n, G * bs, D))
-        s = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, G * bs, c * bs))
-        _mask_kv_chunk(s, bi, idx, masks, bs)
-        m = s.amax(dim=-1, keepdim=True)
-        p = s.sub_(m).exp2_()
-        denom = p.sum(dim=-1, keepdim=True)
-        vb = _gather(vblk, krows, buf(1, n, c * bs, D))
-        o = torch.bmm(p, vb, out=buf(3, n, G * bs, D)).div_(denom)
-        out.index_copy_(0, rows, o.view(n, G, bs, D))
+        qb = _gather(qblk, rows, buf(3, n, gb, D))
+        o, m, denom = buf(4, n, gb, D), buf(6, n, gb, 1), buf(7, n, gb, 1)
+        slices = _slices(c, gbb)  # one slice unless a row alone is too long
+        for s0, s1 in slices:
+            idx = kv_index[rows, s0:s1]
+            krows = base[:, None] + idx
+            w = s1 - s0
+            kb = _gather(kblk, krows, buf(1, n, w * bs, D))
+            vb = _gather(vblk, krows, buf(2, n, w * bs, D))
+            s = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
+            _mask_kv_chunk(s, bi, idx, masks, bs, diag=s1 == c)
+            if len(slices) == 1:
+                torch.amax(s, dim=-1, keepdim=True, out=m)
+                p = s.sub_(m).exp2_()
+                torch.sum(p, dim=-1, keepdim=True, out=denom)
+                torch.bmm(p, vb, out=o)
+                continue
+            # Online softmax across slices, as in flash attention. A row may see nothing
+            # in the first slices (m = -inf); it is stabilised with 0 until it does.
+            m_new = s.amax(dim=-1, keepdim=True)
+            if s0 > 0:
+                m_new = torch.maximum(m, m_new)
+            m_use = m_new.nan_to_num(neginf=0.0)
+            p = s.sub_(m_use).exp2_()
+            if s0 == 0:
+                torch.sum(p, dim=-1, keepdim=True, out=denom)
+                torch.bmm(p, vb, out=o)
+            else:
+                alpha = (m - m_use).exp2_()
+                denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                o.mul_(alpha).add_(torch.bmm(p, vb, out=buf(5, n, gb, D)))
+            m.copy_(m_new)
+        out.index_copy_(0, rows, o.div_(denom).view(n, G, bs, D))
         lse.index_copy_(0, rows, m.add_(denom.log2_()).view(n, G, bs, 1))
     lse = _from_q_blocks(lse, (B, Hq, L, 1), hkv, wd, math.log(2.0))[..., 0]
     return _from_q_blocks(out, q.shape, hkv, q.dtype), lse
@@ -265,48 +326,88 @@ def block_sparse_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the saved out and lse; recomputes probabilities per block pair.
 
-    One pass over the kv table; see the module docstring for why dK/dV are summed with
-    index_add_ here rather than by a second pass over the transposed table.
+    dQ over rows of the kv table, dK/dV over rows of the transposed table: every
+    gradient block is written exactly once, so nothing is scattered or accumulated
+    across chunks (no index_add_, whose multi-threaded CPU path is very slow).
     """
     B, Hq, L, D = q.shape
     hkv, bs = k.shape[1], table.block_size
     nb, G = num_blocks(L, bs), Hq // hkv
     wd = _work_dtype(q.dtype)
-    qblk = _to_q_blocks(q, hkv, bs, wd, scale * _LOG2E)
+    qblk = _to_q_blocks(q, hkv, bs, wd, scale * _LOG2E)  # [R, G, Bs, D]
     doblk = _to_q_blocks(grad_out, hkv, bs, wd)
-    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)
+    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [R, Bs, D]
     delta = torch.linalg.vecdot(grad_out.to(wd), out.to(wd))[..., None]  # rowsum(dO * O)
     deltablk = _to_q_blocks(delta, hkv, bs, wd)  # [R, G, Bs, 1]
-    lseblk = _to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E)
+    lseblk = _to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E)  # base 2
     masks = _masks(doc_id, nb, bs, wd)
-    gbb, gbd, bd = G * bs * bs, G * bs * D, bs * D
+    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
 
+    # dQ: rows of the kv table (query block -> kept key blocks).
     dq = torch.empty_like(qblk)
-    dk, dv = torch.zeros_like(kblk), torch.zeros_like(vblk)
     kv_index = table.kv_index.long().flatten(0, 2)
     plan = _plan(table.kv_count, gbb)
-    sizes = [(0, gbb), (0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (0, bd)]
-    buf = _Buffers(plan, sizes, wd, q.device)
+    sizes = [(0, gbb), (0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0)]
+    sizes += [(gbd, 0), (gbd, 0)]
+    buf = _Buffers(plan, gbb, sizes, wd, q.device)
     for c, rows in plan:
         n = len(rows)
         base, bi = _blocks_of(rows, nb, hkv)
-        idx = kv_index[rows, :c]
-        krows = (base[:, None] + idx).flatten()
-        kb = _gather(kblk, krows, buf(2, n, c * bs, D))
-        vb = _gather(vblk, krows, buf(3, n, c * bs, D))
-        qb = _gather(qblk, rows, buf(4, n, G * bs, D))
-        dob = _gather(doblk, rows, buf(5, n, G * bs, D))
-        p = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, G * bs, c * bs))
-        _mask_kv_chunk(p, bi, idx, masks, bs)
-        p.sub_(lseblk[rows].view(n, G * bs, 1)).exp2_()
-        dp = torch.bmm(dob, vb.transpose(1, 2), out=buf(1, n, G * bs, c * bs))
-        dv_pairs = torch.bmm(p.transpose(1, 2), dob, out=buf(6, n, c * bs, D))
-        dv.index_add_(0, krows, dv_pairs.view(n * c, bs, D))
-        ds = dp.sub_(deltablk[rows].view(n, G * bs, 1)).mul_(p)
-        dq_rows = torch.bmm(ds, kb, out=buf(5, n, G * bs, D))  # dob is no longer needed
-        dq.index_copy_(0, rows, dq_rows.view(n, G, bs, D))
-        dk_pairs = torch.bmm(ds.transpose(1, 2), qb, out=buf(6, n, c * bs, D))
-        dk.index_add_(0, krows, dk_pairs.view(n * c, bs, D))
+        qb = _gather(qblk, rows, buf(4, n, gb, D))
+        dob = _gather(doblk, rows, buf(5, n, gb, D))
+        lse_r = _gather(lseblk, rows, buf(6, n, gb, 1))
+        delta_r = _gather(deltablk, rows, buf(7, n, gb, 1))
+        dq_r = buf(8, n, gb, D)
+        for s0, s1 in _slices(c, gbb):
+            idx = kv_index[rows, s0:s1]
+            krows = base[:, None] + idx
+            w = s1 - s0
+            kb = _gather(kblk, krows, buf(2, n, w * bs, D))
+            vb = _gather(vblk, krows, buf(3, n, w * bs, D))
+            p = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
+            _mask_kv_chunk(p, bi, idx, masks, bs, diag=s1 == c)
+            p.sub_(lse_r).exp2_()
+            ds = torch.bmm(dob, vb.transpose(1, 2), out=buf(1, n, gb, w * bs))
+            ds.sub_(delta_r).mul_(p)
+            if s0 == 0:
+                torch.bmm(ds, kb, out=dq_r)
+            else:
+                dq_r.add_(torch.bmm(ds, kb, out=buf(9, n, gb, D)))
+        dq.index_copy_(0, rows, dq_r.view(n, G, bs, D))
+
+    # dK, dV: rows of the transposed table (key block -> query blocks that kept it).
+    dk, dv = torch.empty_like(kblk), torch.empty_like(vblk)
+    q_index = table.q_index.long().flatten(0, 2)
+    plan = _plan(table.q_count, gbb)
+    sizes = [(0, gbb), (0, gbb), (0, gbd), (0, gbd), (bd, 0), (bd, 0), (0, gb), (0, gb)]
+    sizes += [(bd, 0), (bd, 0), (bd, 0)]
+    buf = _Buffers(plan, gbb, sizes, wd, q.device)
+    for c, rows in plan:
+        n = len(rows)
+        base, bj = _blocks_of(rows, nb, hkv)
+        j = rows - base
+        kb = _gather(kblk, rows, buf(4, n, bs, D))
+        vb = _gather(vblk, rows, buf(5, n, bs, D))
+        dk_r, dv_r = buf(8, n, bs, D), buf(9, n, bs, D)
+        for s0, s1 in _slices(c, gbb):
+            idx = q_index[rows, s0:s1]  # ascending; q_index[:, 0] == j (the diagonal)
+            qrows = base[:, None] + idx
+            w = s1 - s0
+            qg = _gather(qblk, qrows, buf(2, n, w * gb, D))
+            dog = _gather(doblk, qrows, buf(3, n, w * gb, D))
+            p = torch.bmm(qg, kb.transpose(1, 2), out=buf(0, n, w * gb, bs))
+            _mask_q_chunk(p, bj, j, bj[:, None] - j[:, None] + idx, masks, bs, diag=s0 == 0)
+            p.sub_(_gather(lseblk, qrows, buf(6, n, w * gb, 1))).exp2_()
+            ds = torch.bmm(dog, vb.transpose(1, 2), out=buf(1, n, w * gb, bs))
+            ds.sub_(_gather(deltablk, qrows, buf(7, n, w * gb, 1))).mul_(p)
+            if s0 == 0:
+                torch.bmm(p.transpose(1, 2), dog, out=dv_r)
+                torch.bmm(ds.transpose(1, 2), qg, out=dk_r)
+            else:
+                dv_r.add_(torch.bmm(p.transpose(1, 2), dog, out=buf(10, n, bs, D)))
+                dk_r.add_(torch.bmm(ds.transpose(1, 2), qg, out=buf(10, n, bs, D)))
+        dv.index_copy_(0, rows, dv_r)
+        dk.index_copy_(0, rows, dk_r)
 
     dq = _from_q_blocks(dq, q.shape, hkv, q.dtype, scale)
     # qblk carries scale * log2(e), so dk picks up a factor log2(e) too much.
