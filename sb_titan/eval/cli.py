@@ -32,6 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=("dense", "sparse"), default=None)
     p.add_argument("--budget", type=float, default=None, help="sparse prefill budget in (0, 1]")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="e.g. cuda (sparse prefill: Triton kernels)")
     p.add_argument("--out", default=None, help="output directory")
 
 
@@ -41,8 +42,11 @@ def _load(args: argparse.Namespace):
     if args.checkpoint is not None:
         if args.config is None:
             sys.exit("sb-eval: --checkpoint needs --config (the TOML it was trained with)")
-        return load_from_config(args.checkpoint, args.config, args.attention)
-    return load_from_hf(args.hf, args.attention)
+        loaded = load_from_config(args.checkpoint, args.config, args.attention)
+    else:
+        loaded = load_from_hf(args.hf, args.attention)
+    loaded.model.to(args.device)
+    return loaded
 
 
 def _budget(args: argparse.Namespace, loaded) -> float:

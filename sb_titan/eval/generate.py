@@ -158,7 +158,6 @@ class Generator:
     tokenizer: object  # tokenizers.Tokenizer
     eos_ids: list[int]
     budget: float = 1.0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     def generate(
         self,
@@ -167,7 +166,8 @@ class Generator:
         stop_ids: list[int] | None = None,
         min_new_tokens: int = 0,
     ) -> list[int]:
-        prompt = torch.tensor([ids], dtype=torch.long, device=self.device)
+        device = next(self.model.parameters()).device
+        prompt = torch.tensor([ids], dtype=torch.long, device=device)
         result = greedy_generate(
             self.model,
             prompt,

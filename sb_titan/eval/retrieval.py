@@ -81,6 +81,7 @@ def run_retrieval(
 ) -> dict:
     """Exact-match accuracy per (length, depth); fresh probes per cell, seeded."""
     builder = ProbeBuilder(tokenizer)
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
     grid: dict[str, dict[str, float]] = {}
     t0 = time.perf_counter()
     for li, length in enumerate(cfg.lengths):
@@ -92,7 +93,7 @@ def run_retrieval(
             for s in range(0, len(probes), cfg.batch_size):
                 chunk = probes[s : s + cfg.batch_size]
                 n_new = max(len(p.answer) for p in chunk)
-                prompt = torch.tensor([p.ids for p in chunk], dtype=torch.long)
+                prompt = torch.tensor([p.ids for p in chunk], dtype=torch.long, device=device)
                 result = greedy_generate(model, prompt, n_new, budget=budget)
                 hits += sum(
                     got[: len(p.answer)] == p.answer
