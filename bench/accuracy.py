@@ -188,24 +188,32 @@ def markdown(result: dict) -> str:
         f"{result['retrieval']['trials']} trials per cell.\n\n"
     )
     rows = [
-        "| variant | eval attention | held-out loss | held-out loss (dense eval) | "
-        "retrieval acc. | step time (s) | final train loss |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | eval attention | train density | held-out loss | Δ vs dense (paired) | "
+        "held-out loss (dense eval) | retrieval acc. | step time (s) | final train loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(s: dict, digits: int = 3) -> str:
         return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
 
+    def own_loss(run: dict) -> float:
+        return run.get("heldout_loss_sparse", run["heldout_loss_dense"])
+
+    dense_by_seed = {r["seed"]: own_loss(r) for r in result["variants"]["dense"]["runs"]}
     for name, v in result["variants"].items():
         s = v["summary"]
-        mode = v["eval_attention"] + (
-            f" (β={v['eval_budget']:g})" if v["eval_attention"] == "sparse" else ""
-        )
+        mode = v["eval_attention"]
+        if mode == "sparse":
+            mode += f" (β={v['eval_budget']:g})"
         own = s.get("heldout_loss_sparse") or s["heldout_loss_dense"]
+        deltas = [own_loss(r) - dense_by_seed[r["seed"]] for r in v["runs"]]
+        delta = ", ".join(f"{d:+.4f}" for d in deltas)
+        density = [r["train_density"] for r in v["runs"] if "train_density" in r]
+        dens = f"{statistics.fmean(density):.3f}" if density else "1 (dense)"
         rows.append(
-            f"| {name} | {mode} | {cell(own)} | {cell(s['heldout_loss_dense'])} | "
-            f"{cell(s['retrieval_mean'], 2)} | {cell(s['step_time_s'], 2)} | "
-            f"{cell(s['final_train_loss'])} |"
+            f"| {name} | {mode} | {dens} | {cell(own)} | {delta} | "
+            f"{cell(s['heldout_loss_dense'])} | {cell(s['retrieval_mean'], 2)} | "
+            f"{cell(s['step_time_s'], 2)} | {cell(s['final_train_loss'])} |"
         )
     return head + "\n".join(rows) + "\n"
 
