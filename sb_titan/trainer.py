@@ -203,6 +203,11 @@ class SBTrainer(Trainer):
 
     def _log_recipe_metrics(self, m: _StepMeasurements, predicted) -> None:
         metrics = m.metrics()
+        plan = self._step_plan
+        real = sum(mb.num_tokens for rank in plan.microbatches for mb in rank)
+        slots = sum(len(mb.rows) for rank in plan.microbatches for mb in rank)
+        metrics["data/real_tokens"] = real  # padding excluded: compare policies per token
+        metrics["data/padding_share"] = 1.0 - real / (slots * self.config.training.seq_len)
         if self._budgets:
             flat = [b for rank in self._budgets for b in rank]
             metrics.update(
