@@ -17,7 +17,7 @@ the scores twice in the backward, 9 matmuls per pair in all instead of 7.
 CPU details that matter for speed (measured, see docs/attention.md):
   - scores are kept in base 2 (q is pre-scaled by scale * log2(e)) because exp2 is ~3x
     faster than exp on CPU;
-  - chunks of at most `_CHUNK_ELEMS` score elements reuse preallocated buffers via
+  - chunks of `_CHUNK_ELEMS` score elements per thread reuse preallocated buffers via
     `out=`: fresh multi-MB allocations page-fault and cost more than the math;
   - masks are only added where needed. Inside a pair (query block i, key block j < i)
     the document-causal mask is separable: query token t sees key s iff t is in
@@ -36,7 +36,7 @@ import torch
 from sb_titan.attention.estimator import num_blocks, token_doc_start
 from sb_titan.attention.selection import BlockTable
 
-_CHUNK_ELEMS = 1 << 18  # score elements per batched matmul (1 MiB in fp32, fits L2)
+_CHUNK_ELEMS = 1 << 18  # score elements per chunk and CPU thread (1 MiB fp32, fits L2)
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -117,11 +117,19 @@ def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: 
     return out
 
 
-def _plan(count: torch.Tensor, per_pair: int) -> list[tuple[int, torch.Tensor]]:
-    """(c, flat row ids) for rows with equal count c, cut to at most _CHUNK_ELEMS scores.
+def _chunk_pairs(per_pair: int, device: torch.device) -> int:
+    """Block pairs per batched matmul: _CHUNK_ELEMS scores per CPU thread (so each
+    thread's share stays cache-sized while Python overhead shrinks as threads are added);
+    much larger on GPUs, where the per-chunk launch and sync overhead dominates."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 64
+    return max(1, _CHUNK_ELEMS * threads // per_pair)
 
-    Rows whose c alone exceeds the limit come one at a time and are split along their
-    kept list (`_slices`), so every score buffer stays below _CHUNK_ELEMS.
+
+def _plan(count: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor]]:
+    """(c, flat row ids) for rows with equal count c, at most `width` pairs per chunk.
+
+    Rows whose c alone exceeds `width` come one at a time and are split along their
+    kept list (`_slices`), so every score buffer stays within the limit.
     """
     flat = count.flatten()
     order = torch.argsort(flat, stable=True)
@@ -129,14 +137,13 @@ def _plan(count: torch.Tensor, per_pair: int) -> list[tuple[int, torch.Tensor]]:
     plan = []
     for c, rows in zip(values.tolist(), order.split(sizes.tolist()), strict=True):
         if c > 0:
-            plan.extend((c, r) for r in rows.split(max(1, _CHUNK_ELEMS // (per_pair * c))))
+            plan.extend((c, r) for r in rows.split(max(1, width // c)))
     return plan
 
 
-def _slices(c: int, per_pair: int) -> list[tuple[int, int]]:
-    """Slot ranges [s0, s1) of a kept list of length c, each within _CHUNK_ELEMS scores."""
-    step = max(1, _CHUNK_ELEMS // per_pair)
-    return [(s0, min(c, s0 + step)) for s0 in range(0, c, step)]
+def _slices(c: int, width: int) -> list[tuple[int, int]]:
+    """Slot ranges [s0, s1) of a kept list of length c, each at most `width` long."""
+    return [(s0, min(c, s0 + width)) for s0 in range(0, c, width)]
 
 
 class _Buffers:
@@ -145,8 +152,7 @@ class _Buffers:
     sizes[k] = (elements per row, elements per kept pair in one slice) of buffer k.
     """
 
-    def __init__(self, plan, per_pair: int, sizes, dtype: torch.dtype, device: torch.device):
-        width = max(1, _CHUNK_ELEMS // per_pair)
+    def __init__(self, plan, width: int, sizes, dtype: torch.dtype, device: torch.device):
         self.flat = [
             torch.empty(
                 max((len(r) * (row + min(c, width) * pair) for c, r in plan), default=0),
@@ -269,15 +275,16 @@ def block_sparse_forward(
     lse = torch.empty(*qblk.shape[:3], 1, dtype=wd, device=q.device)  # base 2
     kv_index = table.kv_index.long().flatten(0, 2)
     gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
-    plan = _plan(table.kv_count, gbb)
+    width = _chunk_pairs(gbb, q.device)
+    plan = _plan(table.kv_count, width)
     sizes = [(0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0), (gb, 0)]
-    buf = _Buffers(plan, gbb, sizes, wd, q.device)
+    buf = _Buffers(plan, width, sizes, wd, q.device)
     for c, rows in plan:
         n = len(rows)
         base, bi = _blocks_of(rows, nb, hkv)
         qb = _gather(qblk, rows, buf(3, n, gb, D))
         o, m, denom = buf(4, n, gb, D), buf(6, n, gb, 1), buf(7, n, gb, 1)
-        slices = _slices(c, gbb)  # one slice unless a row alone is too long
+        slices = _slices(c, width)  # one slice unless a row alone is too long
         for s0, s1 in slices:
             idx = kv_index[rows, s0:s1]
             krows = base[:, None] + idx
@@ -342,14 +349,15 @@ def block_sparse_backward(
     lseblk = _to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E)  # base 2
     masks = _masks(doc_id, nb, bs, wd)
     gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
+    width = _chunk_pairs(gbb, q.device)
 
     # dQ: rows of the kv table (query block -> kept key blocks).
     dq = torch.empty_like(qblk)
     kv_index = table.kv_index.long().flatten(0, 2)
-    plan = _plan(table.kv_count, gbb)
+    plan = _plan(table.kv_count, width)
     sizes = [(0, gbb), (0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0)]
     sizes += [(gbd, 0), (gbd, 0)]
-    buf = _Buffers(plan, gbb, sizes, wd, q.device)
+    buf = _Buffers(plan, width, sizes, wd, q.device)
     for c, rows in plan:
         n = len(rows)
         base, bi = _blocks_of(rows, nb, hkv)
@@ -358,7 +366,7 @@ def block_sparse_backward(
         lse_r = _gather(lseblk, rows, buf(6, n, gb, 1))
         delta_r = _gather(deltablk, rows, buf(7, n, gb, 1))
         dq_r = buf(8, n, gb, D)
-        for s0, s1 in _slices(c, gbb):
+        for s0, s1 in _slices(c, width):
             idx = kv_index[rows, s0:s1]
             krows = base[:, None] + idx
             w = s1 - s0
@@ -378,10 +386,10 @@ def block_sparse_backward(
     # dK, dV: rows of the transposed table (key block -> query blocks that kept it).
     dk, dv = torch.empty_like(kblk), torch.empty_like(vblk)
     q_index = table.q_index.long().flatten(0, 2)
-    plan = _plan(table.q_count, gbb)
+    plan = _plan(table.q_count, width)
     sizes = [(0, gbb), (0, gbb), (0, gbd), (0, gbd), (bd, 0), (bd, 0), (0, gb), (0, gb)]
     sizes += [(bd, 0), (bd, 0), (bd, 0)]
-    buf = _Buffers(plan, gbb, sizes, wd, q.device)
+    buf = _Buffers(plan, width, sizes, wd, q.device)
     for c, rows in plan:
         n = len(rows)
         base, bj = _blocks_of(rows, nb, hkv)
@@ -389,7 +397,7 @@ def block_sparse_backward(
         kb = _gather(kblk, rows, buf(4, n, bs, D))
         vb = _gather(vblk, rows, buf(5, n, bs, D))
         dk_r, dv_r = buf(8, n, bs, D), buf(9, n, bs, D)
-        for s0, s1 in _slices(c, gbb):
+        for s0, s1 in _slices(c, width):
             idx = q_index[rows, s0:s1]  # ascending; q_index[:, 0] == j (the diagonal)
             qrows = base[:, None] + idx
             w = s1 - s0
