@@ -14,8 +14,9 @@ those terms on the device it runs on, for the stage the trainer runs:
 `scope` says what "the stage" is. `blocks` (default): its decoder blocks only, which is
 what the trainer's clock measures (sb_titan/measure.py), so the online refit compares
 like with like. `stage`: also the embedding, final norm, output head and loss where the
-stage holds them. Grid points are timed round-robin (each point once per pass), so a
-change in machine load spreads over the whole table instead of bending part of it.
+stage holds them. All grid points, attention and linear, are timed round-robin (each
+point once per pass), so a change in machine load spreads over the whole profile
+instead of bending the part that happened to be timed during it.
 docs/cost_model.md ("Measuring a profile") gives the reasons for each choice.
 """
 
@@ -558,10 +559,20 @@ def fit_linear(tokens: Sequence[int], seconds: Sequence[float]) -> tuple[float, 
     return overhead, [max(float(s) - overhead, 0.0) for s in seconds]
 
 
-def measure_attention(model, config, settings, device, progress) -> tuple[list, list]:
-    """attn_seconds[i][j] = sum over kinds of layers * seconds(L_i, rho_j) / copies."""
+@dataclass
+class AttentionGrid:
+    """The attention grid's points: (kind, length, budget), closures, realised densities."""
+
+    kinds: list[tuple[SBAttention, int]]
+    points: list[tuple[int, int, float]]
+    steps: list[Callable[[], None]]
+    realised: list[float]
+
+
+def attention_grid(model, config, settings: ProfileSettings, device) -> AttentionGrid:
+    """One point per (kind, length, budget); a dense layer needs one budget (no effect)."""
     kinds = attention_kinds(model)
-    points = []  # (kind, length, budget); a dense layer needs one budget (no effect)
+    points = []
     for k, (module, _) in enumerate(kinds):
         budgets = settings.densities if module.config.sparse else (1.0,)
         points += [(k, n, rho) for n in settings.lengths for rho in budgets]
@@ -573,19 +584,21 @@ def measure_attention(model, config, settings, device, progress) -> tuple[list, 
         )
         for k, n, rho in points
     ]
-    times = time_grid(
-        [b[0] for b in built], device, settings.warmup, settings.repeats, progress, settings.clock
-    )
+    return AttentionGrid(kinds, points, [b[0] for b in built], [b[1] for b in built])
+
+
+def attention_table(grid: AttentionGrid, times, settings: ProfileSettings) -> tuple[list, list]:
+    """attn_seconds[i][j] = sum over kinds of layers * seconds(L_i, rho_j) / copies."""
     table = np.zeros((len(settings.lengths), len(settings.densities)))
     raw = []
-    for k, (module, count) in enumerate(kinds):
-        mine = [p for p, point in enumerate(points) if point[0] == k]
+    for k, (module, count) in enumerate(grid.kinds):
+        mine = [p for p, point in enumerate(grid.points) if point[0] == k]
         per_len = len(mine) // len(settings.lengths)
         for i, n in enumerate(settings.lengths):
             copies = settings.rows * settings.row_len // n
             idx = mine[i * per_len : (i + 1) * per_len]
             secs = [statistics.median(times[p]) / copies for p in idx]
-            real = [built[p][1] for p in idx]
+            real = [grid.realised[p] for p in idx]
             table[i] += count * np.asarray(at_nominal(real, secs, settings.densities))
             raw.append(
                 {
@@ -593,29 +606,32 @@ def measure_attention(model, config, settings, device, progress) -> tuple[list, 
                     "layers": count,
                     "length": n,
                     "copies": copies,
-                    "budgets": [points[p][2] for p in idx],
+                    "budgets": [grid.points[p][2] for p in idx],
                     "realised_density": real,
                     "seconds_per_doc_and_layer": secs,
                 }
             )
-    for module, _ in kinds:
+    for module, _ in grid.kinds:
         module.reset_stats()
     return table.tolist(), raw
 
 
-def measure_linear(model, config, settings, device, progress) -> tuple[list[int], list[float]]:
-    """Stage seconds with the O(tokens) stand-in attention at LINEAR_FRACTIONS of a
+def linear_grid(model, config, settings, device) -> tuple[list[int], list[Callable[[], None]]]:
+    """The stage with the O(tokens) stand-in attention at LINEAR_FRACTIONS of a
     micro-batch (shorter rows, so the largest point is the micro-batch itself)."""
+    stand_in = TokenLinearAttention()
     tokens, steps = [], []
     for frac in LINEAR_FRACTIONS:
         row_len = max(MIN_LENGTH, round(settings.row_len * frac))
         tokens.append(settings.rows * row_len)
-        steps.append(make_stage_step(model, config, [[row_len]] * settings.rows, 1.0, device))
-    with attention_swapped(model, TokenLinearAttention()):
-        times = time_grid(
-            steps, device, settings.warmup, settings.repeats, progress, settings.clock
-        )
-    return tokens, [statistics.median(t) for t in times]
+        step = make_stage_step(model, config, [[row_len]] * settings.rows, 1.0, device)
+
+        def swapped(step=step) -> None:
+            with attention_swapped(model, stand_in):
+                step()
+
+        steps.append(swapped)
+    return tokens, steps
 
 
 @dataclass
@@ -648,11 +664,21 @@ def run_profile(
     )
     bar = Progress(n_points * (settings.warmup + settings.repeats), "sb-profile", progress)
     t0, load_before = time.perf_counter(), load_average()
-    try:
-        table, attention_points = measure_attention(model, config, settings, device, bar)
-        tokens, linear = measure_linear(model, config, settings, device, bar)
+    grid = attention_grid(model, config, settings, device)
+    tokens, linear_steps = linear_grid(model, config, settings, device)
+    try:  # one round-robin over both grids: they share every pass's machine state
+        times = time_grid(
+            grid.steps + linear_steps,
+            device,
+            settings.warmup,
+            settings.repeats,
+            bar,
+            settings.clock,
+        )
     finally:
         bar.close()
+    table, attention_points = attention_table(grid, times[: len(grid.steps)], settings)
+    linear = [statistics.median(t) for t in times[len(grid.steps) :]]
     overhead, linear_seconds = fit_linear(tokens, linear)
     profile = Profile(
         fingerprint=fingerprint,
