@@ -72,7 +72,15 @@ def transpose_table(
     return q_count.view(B, H, nb).to(torch.int32), q_index.view(B, H, nb, maxq)
 
 
-def _validate(q, k, doc_id, budget, policy, block_size) -> torch.Tensor:
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc_id: torch.Tensor,
+    budget: torch.Tensor | float,
+    policy: str,
+    block_size: int,
+) -> torch.Tensor:
+    """Check arguments; return the budget as a float32 [B] tensor on q's device."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
     if block_size not in BLOCK_SIZES:
@@ -123,18 +131,15 @@ def _select_chunk(
     n_allowed = (i - sink_i + 1)[:, None]  # [B, 1, n]
     n_forced = 1 + (sink_i != i).long()[:, None]
     beta = budget[:, None, None]
+    rank = torch.arange(nb, device=dev)
     if policy == "topk":
         want = torch.ceil(beta.double() * n_allowed * (1.0 - TOPK_SLACK)).long()
         count = torch.maximum(want, n_forced).expand(B, H, n)
-    else:
-        cum = torch.cumsum(sorted_prob, dim=-1)
-        rank = torch.arange(nb, device=dev)
-        extra = ((cum - sorted_prob) < beta[..., None] - MASS_TOL) & (rank < n_allowed[..., None])
+    else:  # keep adding while the mass kept before this block is short of beta
+        before = torch.cumsum(sorted_prob, dim=-1) - sorted_prob
+        extra = (before < beta[..., None] - MASS_TOL) & (rank < n_allowed[..., None])
         count = torch.maximum(extra.sum(-1), n_forced)
-        del cum, extra
-    kept_mass = torch.where(torch.arange(nb, device=dev) < count[..., None], sorted_prob, 0.0).sum(
-        -1
-    )
+    kept_mass = (sorted_prob * (rank < count[..., None])).sum(-1)
     maxc = int(count.max())
     ids = order[..., :maxc]
     ids = torch.where(torch.arange(maxc, device=dev) < count[..., None], ids, nb)
