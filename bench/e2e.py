@@ -130,6 +130,34 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(results: dict, out: Path) -> None:
+    """Real tokens/s and mean recall per variant, one panel per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = results["scenarios"]
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(5 * len(scenarios), 3.6), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], scenarios.items(), strict=True):
+        names = list(rows)
+        tps = [rows[n]["tokens_per_s"] for n in names]
+        bars = ax.bar(names, tps, color=["#888", "#4a90d9", "#e08a3c", "#3aa35b"][: len(names)])
+        for bar, n in zip(bars, names, strict=True):
+            r = rows[n]
+            ax.annotate(
+                f"{r['speedup_vs_baseline']:.2f}x\nrecall {r['mean_recall']:.3f}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
+        ax.set_title(f"{name}: real tokens/s (median of steps)")
+        ax.set_ylim(0, max(tps) * 1.25)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 steps, DP scenario only")
@@ -137,7 +165,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "bench_e2e")
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "e2e.png")
+    parser.add_argument("--plot-only", action="store_true", help="redraw from --out's JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.read_text()), args.plot)
+        return
     steps = 6 if args.quick else args.steps
     scenarios = ["dp2"] if args.quick else args.scenarios.split(",")
     results = {
@@ -170,7 +203,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
-    print(f"wrote {args.out}")
+    plot(results, args.plot)
+    print(f"wrote {args.out} and {args.plot}")
 
 
 if __name__ == "__main__":
