@@ -13,6 +13,7 @@ What it adds to the stock trainer, and nothing else:
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import time
@@ -251,6 +252,7 @@ class SBTrainer(Trainer):
             "microbatch": mb_index,
             "budget": budget,
             "step_budgets": self._budgets,
+            "plan_digest": _plan_digest(plan),
             "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
         }
         with open(self._rank_file("samples"), "a") as f:
@@ -451,6 +453,18 @@ def _configure_loader(config: SBTrainer.Config, loader_cost_model: CostModel | N
         beta0, policy = config.dst.beta0, config.dst.policy
         loader.cost_fn = loader_cost_model.predict
         loader.density_prior = lambda n: loader_cost_model.density_for_budget(beta0, n, policy)
+
+
+def _plan_digest(plan: StepPlan) -> str:
+    """Hash of the whole global plan (every rank's pieces), to compare across ranks."""
+    pieces = [
+        (r, m, i, p.sample_id, p.start, p.length)
+        for r, rank in enumerate(plan.microbatches)
+        for m, mb in enumerate(rank)
+        for i, row in enumerate(mb.rows)
+        for p in row
+    ]
+    return hashlib.sha1(repr((plan.step, pieces)).encode()).hexdigest()
 
 
 def _assert_same_everywhere(digest: str, what: str) -> None:

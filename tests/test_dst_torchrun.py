@@ -105,14 +105,27 @@ def test_pp_every_stage_uses_the_plans_budget_and_layout(tmp_path, schedule, ext
     assert len(budgets) > 1, "DST should give the micro-batches different budgets"
 
 
-def test_dp_ranks_agree_on_every_budget(tmp_path):
+@pytest.mark.parametrize("policy", ["sequential", "sab"])
+def test_dp_ranks_agree_on_every_plan_and_budget(tmp_path, policy):
     torchrun(
-        2, [*DST, "--training.local_batch_size", "1", "--training.global_batch_size", "4"], tmp_path
+        2,
+        [
+            *DST,
+            "--sab.policy",
+            policy,
+            "--training.local_batch_size",
+            "1",
+            "--training.global_batch_size",
+            "4",
+        ],
+        tmp_path,
     )
     a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
+    assert [e["plan_digest"] for e in a] == [e["plan_digest"] for e in b]  # same global plan
     assert [e["step_budgets"] for e in a] == [e["step_budgets"] for e in b]
     budgets = {x for e in a for rank in e["step_budgets"] for x in rank}
-    assert len(budgets) > 1
+    if policy == "sequential":  # unbalanced plans: DST moves budgets (SAB may leave none)
+        assert len(budgets) > 1
     for rank, log in ((0, a), (1, b)):  # each rank trains its own row of the vector
         for e in log:
             assert e["budget"] == e["step_budgets"][rank][e["microbatch"]]
