@@ -83,3 +83,30 @@ def losses(dump: Path) -> list[float]:
 def sample_log(dump: Path, rank: int = 0) -> list[dict]:
     path = dump / f"samples_rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tiny_hf_qwen2(path: Path, tied: bool):
+    """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # non-zero biases, so a dropped bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return model

@@ -14,30 +14,11 @@ from sb_titan.export import export_model, hf_config
 from sb_titan.export import main as export_main
 
 transformers = pytest.importorskip("transformers")
-from conftest import DEBUG_TOML  # noqa: E402
+from conftest import DEBUG_TOML, tiny_hf_qwen2  # noqa: E402
 
 
 def _hf_model(path, tied: bool):
-    config = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(path)
-    return model
+    return tiny_hf_qwen2(path, tied)
 
 
 def _ours_logits(model, tokens, budget: float = 1.0):

@@ -19,30 +19,11 @@ from sb_titan.models.qwen2_5 import FLAVORS, dims_from_hf_config, model_registry
 from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
 
 transformers = pytest.importorskip("transformers")
+from conftest import tiny_hf_qwen2  # noqa: E402
 
 
-def _hf_model(tmp_path, tied: bool):
-    config = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # non-zero q/k/v biases, so a dropped bias would show
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(tmp_path)
-    return model
+def _hf_model(path, tied: bool):
+    return tiny_hf_qwen2(path, tied)
 
 
 def _ours(tmp_path, tie_embeddings: bool | None = None):
