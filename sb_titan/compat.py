@@ -8,7 +8,6 @@ imported, because they copy `device_type` and `device_module` at import time.
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 from types import SimpleNamespace
@@ -55,7 +54,8 @@ def install() -> None:
         _use_cpu_device()
     if not hasattr(dist, "set_timeout"):
         _backport_set_timeout()
-    _backport_pp_presplit_step()
+    # The pre-split pipeline `step(arg_mbs=, kwarg_mbs=, target_mbs=)` TorchTitan calls
+    # (missing before torch 2.14) is backported in sb_titan.schedule's subclasses.
 
 
 def _use_cpu_device() -> None:
@@ -83,20 +83,6 @@ def _backport_set_timeout() -> None:
         distributed_c10d._set_pg_timeout(timeout, group)
 
     dist.set_timeout = set_timeout
-
-
-def _backport_pp_presplit_step() -> None:
-    """TorchTitan calls `schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)` with
-    pre-split micro-batches; torch < 2.14 schedules lack that signature. The recipe's
-    schedule subclasses (sb_titan.schedule) handle both, so nothing is patched here;
-    this only records whether the backport path is needed."""
-    from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-    global PP_HAS_PRESPLIT_STEP
-    PP_HAS_PRESPLIT_STEP = "arg_mbs" in inspect.signature(_PipelineSchedule.step).parameters
-
-
-PP_HAS_PRESPLIT_STEP = False
 
 
 def force_sum_reduction_on_gloo(model: torch.nn.Module) -> None:
