@@ -179,11 +179,14 @@ class SBTrainer(Trainer):
         m = _StepMeasurements.from_gathered(gathered, plan, self._budgets)
         if self.cost_model is not None:
             policy = self.config.dst.policy
-            predicted = [  # before this step's refit: an honest error
-                self.cost_model.predict_budget(mb.doc_lens, self._budgets[r][i], policy)
-                for r, rank in enumerate(plan.microbatches)
-                for i, mb in enumerate(rank)
-            ]
+            predicted = {  # before this step's refit: an honest error
+                key: self.cost_model.predict_budget(
+                    plan.microbatches[key[0]][key[1]].doc_lens,
+                    self._budgets[key[0]][key[1]],
+                    policy,
+                )
+                for key in m.seconds
+            }
             observations = m.observations(plan)
             if self.config.cost_model.refit and observations:
                 self.cost_model.refit(observations)
@@ -231,9 +234,12 @@ class SBTrainer(Trainer):
                 }
             )
         if predicted is not None and self.cost_model is not None:
-            measured = np.asarray(m.unit_seconds_flat())
-            ape = np.abs(np.asarray(predicted) - measured) / np.maximum(measured, 1e-12)
-            metrics["cost_model/ape_mean"] = float(ape.mean())
+            keys = sorted(predicted)
+            measured = np.asarray([m.seconds[k] for k in keys])
+            guess = np.asarray([predicted[k] for k in keys])
+            ape = np.abs(guess - measured) / np.maximum(measured, 1e-12)
+            if len(ape):
+                metrics["cost_model/ape_mean"] = float(ape.mean())
             warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
             if warning:
                 logger.warning(warning)
