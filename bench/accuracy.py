@@ -18,7 +18,6 @@ Writes bench/results/accuracy.json and the table in docs/eval.md.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from sb_titan.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_cpu.toml"
@@ -92,18 +93,6 @@ def train(name: str, args: list[str], seed: int, steps: int, root: Path) -> Path
         )
     print(f"  trained {name} seed {seed} in {time.perf_counter() - t0:.0f}s", flush=True)
     return dump
-
-
-def scalars(dump: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, dict[int, float]] = {}
-    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
-        acc = EventAccumulator(run, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
 
 
 def _median_after_warmup(series: dict[int, float]) -> float:
@@ -273,7 +262,7 @@ def main() -> None:
         runs = []
         for seed in seeds:
             dump = train(name, overrides, seed, steps, root)
-            tb = scalars(dump)
+            tb = read_scalars(dump)
             run = {
                 "seed": seed,
                 "step_time_s": round(_median_after_warmup(tb["time_metrics/end_to_end(s)"]), 4),

@@ -12,7 +12,6 @@ docs/results.md. Step time is the median over the steps after warm-up.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -20,6 +19,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from sb_titan.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "e2e_cpu.toml"
@@ -49,18 +50,6 @@ VARIANTS = {
 }
 
 
-def scalars(dump: Path) -> dict[str, dict[int, float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, dict[int, float]] = {}
-    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
-        acc = EventAccumulator(run, size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags()["scalars"]:
-            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
-
-
 def _median_after_warmup(series: dict[int, float]) -> float:
     values = [v for step, v in sorted(series.items()) if step > WARMUP]
     return float(statistics.median(values)) if values else float("nan")
@@ -84,7 +73,7 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
     proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{scenario}/{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    s = scalars(dump)
+    s = read_scalars(dump)
     med = lambda tag: _median_after_warmup(s.get(tag, {}))  # noqa: E731
     loss = s["loss_metrics/global_avg_loss"]
     step_time = med("time_metrics/end_to_end(s)")

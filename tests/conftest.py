@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import subprocess
@@ -10,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from sb_titan.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug_cpu.toml"
@@ -63,16 +64,8 @@ def torchrun(
 
 
 def scalars(dump: Path, tag: str) -> dict[int, float]:
-    """step -> value of a TensorBoard scalar, over every event file under dump/tb."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[int, float] = {}
-    for run in sorted(glob.glob(str(dump / "tb" / "*"))):
-        acc = EventAccumulator(run)
-        acc.Reload()
-        if tag in acc.Tags()["scalars"]:
-            out.update({e.step: e.value for e in acc.Scalars(tag)})
-    return out
+    """step -> value of a TensorBoard scalar the run wrote under dump/tb."""
+    return read_scalars(dump).get(tag, {})
 
 
 def losses(dump: Path) -> list[float]:

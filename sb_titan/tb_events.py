@@ -1,0 +1,20 @@
+"""Read back the scalars a run wrote to TensorBoard (benchmarks and tests use it)."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+
+def read_scalars(dump_folder: str | Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} over every event file under dump_folder/tb (later runs of a
+    resumed job overwrite earlier values of the same step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for run in sorted(glob.glob(str(Path(dump_folder) / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
