@@ -841,6 +841,25 @@ def analytic_spec(
     )
 
 
+def analytic_stage_spec(
+    dims: Any, layers: int, head: bool, device: str, block_size: int
+) -> AnalyticSpec:
+    """The analytic spec of one pipeline stage of a model with Qwen2.5-style `dims`
+    (dim, n_heads, n_kv_heads, head_dim, hidden_dim, vocab_size); `head`: the stage
+    holds the output projection."""
+    return analytic_spec(
+        device,
+        hidden=dims.dim,
+        heads=dims.n_heads,
+        kv_heads=dims.n_kv_heads,
+        head_dim=dims.head_dim,
+        intermediate=dims.hidden_dim,
+        layers=max(layers, 1),
+        vocab_size=dims.vocab_size if head else 0,
+        block_size=block_size,
+    )
+
+
 def build_cost_model(
     config: CostModelConfig, spec_for: Callable[[str], AnalyticSpec], expected: dict[str, Any]
 ) -> CostModel | None:

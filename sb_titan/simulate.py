@@ -29,11 +29,10 @@ import numpy as np
 
 from sb_titan.cost_model import (
     ANALYTIC_DEVICES,
-    AnalyticSpec,
     CostModel,
     DensityModel,
     Unit,
-    analytic_spec,
+    analytic_stage_spec,
 )
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
@@ -275,23 +274,6 @@ def stage_params(dims: Qwen25Dims, layers: int, embedding: bool, head: bool) -> 
     return params
 
 
-def stage_spec(
-    dims: Qwen25Dims, layers: int, head: bool, device: str, block_size: int
-) -> AnalyticSpec:
-    """The cost model's analytic spec (cost_model.ANALYTIC_DEVICES) for one stage."""
-    return analytic_spec(
-        device,
-        hidden=dims.dim,
-        heads=dims.n_heads,
-        kv_heads=dims.n_kv_heads,
-        head_dim=dims.head_dim,
-        intermediate=dims.hidden_dim,
-        layers=max(layers, 1),
-        vocab_size=dims.vocab_size if head else 0,
-        block_size=block_size,
-    )
-
-
 @dataclass
 class CostModels:
     """`planning`: the slowest pipeline rank's model, what SAB and DST see (DESIGN.md:
@@ -336,7 +318,7 @@ def build_cost_models(
 
     def model(layers: int, head: bool) -> CostModel:
         if (layers, head) not in cache:
-            spec = stage_spec(dims, layers, head, device, block_size)
+            spec = analytic_stage_spec(dims, layers, head, device, block_size)
             cache[(layers, head)] = CostModel.analytic(spec, density_model=density)
         return cache[(layers, head)]
 

@@ -33,12 +33,12 @@ from sb_titan.cost_model import (
     CostModel,
     CostModelConfig,
     LatencyObservation,
-    analytic_spec,
+    analytic_stage_spec,
     build_cost_model,
 )
 from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
 from sb_titan.measure import BlockClock, instrument_blocks
-from sb_titan.models.qwen2_5 import model_registry
+from sb_titan.models.qwen2_5 import FLAVORS, model_registry
 from sb_titan.sab import SABConfig, StepPlan
 from sb_titan.schedule import current_microbatch, microbatch_context
 
@@ -401,21 +401,12 @@ class _StepMeasurements:
 
 def _cost_model(config: SBTrainer.Config) -> CostModel | None:
     """The run's latency predictor; needed by DST and by the `sab` packing policy."""
-    model_cfg = config.model_spec.model
-    attn = model_cfg.layers[0].attention
-    pp = config.parallelism.pipeline_parallel_degree
+    dims = FLAVORS[config.model.flavor]
+    layers = len(config.model_spec.model.layers) // config.parallelism.pipeline_parallel_degree
 
     def spec_for(device: str) -> AnalyticSpec:
-        return analytic_spec(
-            device,
-            hidden=model_cfg.dim,
-            heads=attn.n_heads,
-            kv_heads=attn.n_kv_heads,
-            head_dim=attn.head_dim,
-            intermediate=model_cfg.layers[0].feed_forward.w1.out_features,
-            layers=max(1, len(model_cfg.layers) // pp),
-            vocab_size=model_cfg.vocab_size,
-            block_size=config.sparse_attention.block_size,
+        return analytic_stage_spec(
+            dims, layers, head=True, device=device, block_size=config.sparse_attention.block_size
         )
 
     expected = {"block_size": config.sparse_attention.block_size}

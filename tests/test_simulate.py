@@ -173,8 +173,8 @@ def test_cli_json_keys_and_plot(tmp_path, capsys):
 def test_cli_with_a_profile_and_interleaved(tmp_path):
     """A measured profile replaces the analytic model (here: one saved from it)."""
     from sb_titan.cost_model import analytic_profile
+    from sb_titan.cost_model import analytic_stage_spec as stage_spec
     from sb_titan.models.qwen2_5 import FLAVORS
-    from sb_titan.simulate import stage_spec
 
     prof = tmp_path / "stage.json"
     analytic_profile(stage_spec(FLAVORS["0.5b"], 12, True, "h100", 64)).save(prof)
