@@ -188,6 +188,8 @@ def brute_force_selection(q, k, doc_id, budget, policy, bs):
         first = [doc[b][blk[0]] for blk in blocks]
         last = [doc[b][blk[-1]] for blk in blocks]
         start_block = [doc[b].index(first[i]) // bs for i in range(nb)]
+        # recall averages over tokens of documents with >= 2 tokens (not padding)
+        attending = [sum(doc[b].count(doc[b][t]) > 1 for t in blk) for blk in blocks]
         for h in range(Hkv):
             kp = [k[b, h, list(blk)].double().mean(0) for blk in blocks]
             for i in range(nb):
@@ -207,17 +209,17 @@ def brute_force_selection(q, k, doc_id, budget, policy, bs):
                         count += 1
                 kept[b, h, i] = sorted(order[:count])
                 probs[b, h, i] = prob
-                masses.append(sum(prob[j] for j in kept[b, h, i]))
+                masses.append(attending[i] * sum(prob[j] for j in kept[b, h, i]))
                 n_kept += count
                 n_allowed_total += len(allowed)
         density.append(n_kept / n_allowed_total)
-        recall.append(sum(masses) / len(masses))
+        recall.append(sum(masses) / (Hkv * sum(attending)) if sum(attending) else 1.0)
     return kept, probs, torch.tensor(density), torch.tensor(recall)
 
 
 @pytest.mark.parametrize("policy", ["mass", "topk"])
 def test_selection_and_stats_match_brute_force(policy):
-    doc_id = make_doc_id([[100, 30, 200, 190, 120], [640]])
+    doc_id = make_doc_id([[100, 30, 200, 190, 1, 1, 118], [600] + [1] * 40])  # 1s: padding
     q, k, _ = make_qkv(2, 4, 2, 640, 32, seed=3)
     budget = torch.tensor([0.5, 0.25])
     table, stats = select_blocks(q, k, doc_id, budget, policy=policy, block_size=64)
@@ -291,7 +293,10 @@ def test_table_invariants(policy, budget):
         assert budget < 1.0 or torch.equal(mask, allowed)
     else:
         assert (kept_mass >= budget - 1e-5).all()
-    torch.testing.assert_close(stats.recall, kept_mass.mean((1, 2)))
+    tokens = torch.tensor([[64.0] * 10 + [10.0]] * 2)  # 650 tokens, no one-token documents
+    want = (kept_mass.mean(1) * tokens).sum(-1) / tokens.sum(-1)
+    torch.testing.assert_close(stats.recall, want)
+    assert torch.equal(stats.tokens, tokens.sum(-1))
 
 
 def test_mass_is_minimal():

@@ -17,6 +17,7 @@ from torchtitan.protocols.module import Module
 
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
+from sb_titan.attention.selection import AttnStats
 
 POLICIES = ("mass", "topk")
 BACKENDS = ("auto", "torch", "triton")
@@ -64,8 +65,9 @@ class SBAttention(Module):
         self.reset_stats()
 
     def reset_stats(self) -> None:
-        """Per-micro-batch sums of realised density and recall over rows (kept on
-        device, read once per step, so measuring adds no per-layer host sync)."""
+        """Per-micro-batch sums of realised density over rows and of recall over
+        attending tokens (kept on device, read once per step, so measuring adds no
+        per-layer host sync)."""
         self.stats: dict[int, list[torch.Tensor]] = {}
 
     def forward(
@@ -103,7 +105,7 @@ class SBAttention(Module):
                 backend=self.config.backend,
             )
             if measuring:
-                self._record(attention_masks, stats.density, stats.recall)
+                self._record(attention_masks, stats)
         else:
             out = dense_document_attention(q, k, v, doc_id, scale)
         if measuring and ATTENTION_OBSERVERS and out.requires_grad:
@@ -111,16 +113,18 @@ class SBAttention(Module):
         return out.transpose(1, 2)
 
     @torch.no_grad()
-    def _record(self, meta: AttnMeta, density: torch.Tensor, recall: torch.Tensor) -> None:
+    def _record(self, meta: AttnMeta, stats: AttnStats) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # activation-checkpoint recompute inside backward: already counted
         mb = 0 if meta.microbatch is None else int(meta.microbatch)
-        rows = density.new_tensor(density.numel())
-        self.stats.setdefault(mb, []).append(torch.stack([density.sum(), recall.sum(), rows]))
+        rows = stats.density.new_tensor(stats.density.numel())
+        sums = [stats.density.sum(), rows, (stats.recall * stats.tokens).sum(), stats.tokens.sum()]
+        self.stats.setdefault(mb, []).append(torch.stack(sums))
 
     def pop_stats(self) -> dict[int, torch.Tensor]:
-        """micro-batch -> [density_sum, recall_sum, rows] of the sparse layers since the
-        last call (dense layers are not counted: density refers to sparse layers)."""
+        """micro-batch -> [density_sum, rows, recall_sum, attending_tokens] of the sparse
+        layers since the last call (recall_sum is token-weighted; dense layers are not
+        counted: density and recall refer to sparse layers)."""
         out = {mb: torch.stack(v).sum(0) for mb, v in self.stats.items()}
         self.stats = {}
         return out

@@ -44,7 +44,26 @@ class BlockTable(NamedTuple):
 
 class AttnStats(NamedTuple):
     density: torch.Tensor  # [B] float32: kept block pairs / allowed block pairs
-    recall: torch.Tensor  # [B] float32: mean over (kv head, query block) of kept est. mass
+    recall: torch.Tensor  # [B] float32: kept est. mass, mean over attending query tokens
+    tokens: torch.Tensor  # [B] float32: attending query tokens (what recall averages over)
+
+
+def attending_tokens(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, NB] float32: tokens per query block that belong to a document of >= 2 tokens.
+
+    Recall averages over these only. Padding (every pad token is its own document) and
+    one-token documents attend to nothing but themselves: counting them would make a
+    padded row look more accurate than a full one at the same budget.
+    """
+    B, L = doc_id.shape
+    same_prev = torch.zeros_like(doc_id, dtype=torch.bool)
+    same_prev[:, 1:] = doc_id[:, 1:] == doc_id[:, :-1]
+    same_next = torch.zeros_like(same_prev)
+    same_next[:, :-1] = same_prev[:, 1:]
+    real = (same_prev | same_next).float()
+    nb = num_blocks(L, block_size)
+    real = torch.nn.functional.pad(real, (0, nb * block_size - L))
+    return real.view(B, nb, block_size).sum(-1)
 
 
 def transpose_table(
@@ -188,8 +207,12 @@ def select_blocks(
     kv_count, kv_index = kv_count.to(torch.int32), kv_index.to(torch.int32)
     q_count, q_index = transpose_table(kv_count, kv_index)
     n_allowed = (torch.arange(nb, device=q.device) - sink + 1).sum(-1) * Hkv  # [B]
+    weight = attending_tokens(doc_id, block_size)  # [B, NB]
+    tokens = weight.sum(-1)
+    kept = (torch.cat(masses, dim=2).mean(1) * weight).sum(-1)  # [B]
     stats = AttnStats(
         density=(kv_count.sum(dim=(1, 2)) / n_allowed).float(),
-        recall=torch.cat(masses, dim=2).mean(dim=(1, 2)).float(),
+        recall=torch.where(tokens > 0, kept / tokens.clamp(min=1), 1.0).float(),
+        tokens=tokens,
     )
     return BlockTable(kv_count, kv_index, q_count, q_index, block_size), stats
