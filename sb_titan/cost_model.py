@@ -318,6 +318,9 @@ class DensityModel:
     blocks by mass always hold at least beta of it. Unobserved knots follow the prior's
     shape scaled to the nearest observed knot; each length's row is made
     non-decreasing in beta (weighted isotonic regression); lookups interpolate.
+
+    The same table serves DST's recall model (`CostModel.recall_model`): the estimated
+    mass kept on budget-sensitive query tokens, whose prior beta is a lower bound.
     """
 
     def __init__(
@@ -484,6 +487,7 @@ class CostModel:
     ) -> None:
         self.profile = profile
         self.density_model = density_model if density_model is not None else DensityModel()
+        self.recall_model = DensityModel()  # kept mass of budget-sensitive tokens (dst.py)
         self.block_size = profile.block_size
         self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
         self.scale_bounds = scale_bounds
@@ -758,11 +762,14 @@ class CostModel:
             "ape_ema": self.ape_ema,
             "n_refits": self.n_refits,
             "density_model": self.density_model.state_dict(),
+            "recall_model": self.recall_model.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; calibration fit on a different profile is dropped with a warning."""
         self.density_model.load_state_dict(state["density_model"])
+        if "recall_model" in state:  # absent in checkpoints written before it existed
+            self.recall_model.load_state_dict(state["recall_model"])
         if state["profile_digest"] != self._profile_digest:
             logger.warning(
                 "%s: checkpointed cost-model calibration was fit on another profile; "

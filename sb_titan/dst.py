@@ -6,6 +6,16 @@ budget whose predicted latency is the anchor (sparser, never below beta_min), un
 below anchor*(1-p) get the budget whose predicted latency is the anchor (denser, never
 above beta_max). A pure function of the plan and the cost model, so every rank that
 holds the same plan and the same synchronised cost model decides the same budgets.
+
+The anchor is a statistic of the predicted latencies (the paper's min/mean/median/max)
+or `recall`: the lowest latency target at which the step's predicted recall is not
+below beta0's. A budget only changes the attention of query tokens past the first two
+blocks of their document (sink and diagonal are always kept); the mass such tokens
+keep at budget beta is `cost_model.recall_model` (prior: beta, a lower bound for both
+policies; learned online from the recall the trainer measures). Time-balancing alone
+(the mean anchor) moves equal seconds, which buy fewer recall points on a unit of
+short documents (already near 1) than they cost on a unit of long ones; `recall`
+stops where the trade is even.
 """
 
 from __future__ import annotations
@@ -21,7 +31,8 @@ import tyro
 
 from sb_titan.cost_model import POLICIES, CostModel, Unit
 
-ANCHORS = ("min", "mean", "median", "max")
+ANCHORS = ("min", "mean", "median", "max", "recall")
+_ANCHOR_BISECT_STEPS = 40  # fixed: identical work (and result) on every rank
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,8 +42,9 @@ class DSTConfig:
     enabled: bool = True
     """Off: every unit trains at beta0 (predictions are still made, for logging)."""
     anchor: str = "mean"
-    """Statistic of the units' predicted latencies to pull toward: one of ANCHORS.
-    The paper found mean best and min harmful."""
+    """What to pull the units' predicted latencies toward: one of ANCHORS. The paper
+    found mean best and min harmful; `recall` is the fastest target that keeps the
+    step's predicted recall at beta0's (accuracy-neutral)."""
     p: float = 0.1
     """Tolerance: units within anchor*(1 +/- p) keep beta0."""
     beta0: float = 0.9
@@ -73,6 +85,19 @@ class DSTDecision:
     n_raised: int  # units whose budget is above beta0
     n_lowered: int  # units whose budget is below beta0
     n_clamped: int  # units whose target was out of reach within [beta_min, beta_max]
+    attending_tokens: list[float]  # per unit: tokens of documents of >= 2 tokens
+    recalled_tokens: list[float]  # per unit: predicted mass kept, in tokens, at budgets
+    recalled_tokens_static: list[float]  # per unit: the same at beta0
+
+    @property
+    def predicted_recall(self) -> float:
+        """The step's predicted token-mean recall at the chosen budgets."""
+        return _ratio(self.recalled_tokens, self.attending_tokens)
+
+    @property
+    def predicted_recall_static(self) -> float:
+        """The same with every unit at beta0: what DST is compared against."""
+        return _ratio(self.recalled_tokens_static, self.attending_tokens)
 
     def digest(self) -> str:
         """Stable hash of the budget vector: ranks compare it to prove they agree."""
@@ -85,6 +110,11 @@ class DSTDecision:
     @property
     def imbalance_after(self) -> float:
         return _imbalance(self.predicted_after)
+
+
+def _ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    total = math.fsum(den)
+    return math.fsum(num) / total if total > 0 else 1.0
 
 
 def _imbalance(seconds: Sequence[float]) -> float:
@@ -104,32 +134,111 @@ def _anchor(seconds: np.ndarray, kind: str) -> float:
     return min(max(values[kind](), float(seconds.min())), float(seconds.max()))
 
 
+def _sensitive(lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """Query tokens past their document's first two blocks (documents block-aligned)."""
+    return np.maximum(0.0, lengths - 2 * block_size)
+
+
+def recalled_tokens(
+    units: Sequence[Unit], beta: float | Sequence[float], cost_model: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """([U] attending tokens, [U] predicted recalled tokens) at a budget per unit.
+
+    Attending tokens are those of documents of >= 2 tokens (what the trainer's recall
+    averages over); the first two blocks of a document keep all their mass, the rest
+    `recall_model(beta, L)` of it.
+    """
+    lengths = [float(n) for unit in units for mb in unit for n in mb]
+    unit_of = [u for u, unit in enumerate(units) for mb in unit for _ in mb]
+    lengths_a, unit_a = np.asarray(lengths), np.asarray(unit_of, dtype=np.int64)
+    betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (len(units),))
+    attending = np.where(lengths_a > 1, lengths_a, 0.0)
+    sensitive = _sensitive(lengths_a, cost_model.block_size)
+    kept = cost_model.recall_model.predict(betas[unit_a], lengths_a) if lengths else lengths_a
+    recalled = attending - sensitive + sensitive * kept
+    n = len(units)
+    return np.bincount(unit_a, attending, n), np.bincount(unit_a, recalled, n)
+
+
+def sensitive_recall(
+    doc_lens: Sequence[int], recall: float, block_size: int
+) -> tuple[int, float] | None:
+    """Invert the model for one measured micro-batch: (its longest document, the mass
+    kept by its budget-sensitive tokens), or None if it has none. This is what the
+    trainer feeds `cost_model.recall_model`."""
+    lengths = np.asarray([float(n) for n in doc_lens if n > 1])
+    sensitive = float(_sensitive(lengths, block_size).sum())
+    if sensitive <= 0:
+        return None
+    attending = float(lengths.sum())
+    kept = (recall * attending - (attending - sensitive)) / sensitive
+    return int(lengths.max()), min(1.0, max(kept, 1e-6))
+
+
+def _budgets_at(
+    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, before: np.ndarray, anchor: float
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(budgets, predicted seconds, clamped count) with every unit pulled toward anchor."""
+    budgets = np.full(len(units), cfg.beta0)
+    after = before.copy()
+    n_clamped = 0
+    slow = before > anchor * (1 + cfg.p)
+    fast = before < anchor * (1 - cfg.p)
+    idx = np.flatnonzero(slow | fast)
+    if idx.size:
+        # Bottlenecks search [beta_min, beta0], the rest [beta0, beta_max]: a unit is
+        # never pushed the wrong way.
+        solutions = cost_model.budgets_for(
+            [units[i] for i in idx],
+            anchor,
+            cfg.policy,
+            beta_min=np.where(slow[idx], cfg.beta_min, cfg.beta0),
+            beta_max=np.where(slow[idx], cfg.beta0, cfg.beta_max),
+        )
+        for i, sol in zip(idx.tolist(), solutions, strict=True):
+            budgets[i], after[i] = sol.beta, sol.predicted_s
+            n_clamped += sol.clamped != 0
+    return budgets, after, n_clamped
+
+
+def _recall_neutral_anchor(
+    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, before: np.ndarray
+) -> float:
+    """The lowest anchor whose budgets keep the predicted recalled tokens at beta0's.
+
+    Budgets only rise with the anchor, and at max(before) nobody is lowered, so the
+    condition is monotone and holds at the top: a fixed-step bisection finds the edge.
+    """
+    need = math.fsum(recalled_tokens(units, cfg.beta0, cost_model)[1].tolist())
+
+    def keeps_recall(anchor: float) -> bool:
+        budgets = _budgets_at(units, cost_model, cfg, before, anchor)[0]
+        recalled = recalled_tokens(units, budgets, cost_model)[1]
+        return math.fsum(recalled.tolist()) >= need * (1 - 1e-12)
+
+    lo, hi = float(before.min()), float(before.max())
+    if keeps_recall(lo):
+        return lo
+    for _ in range(_ANCHOR_BISECT_STEPS):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if keeps_recall(mid) else (mid, hi)
+    return hi
+
+
 def tune_budgets(units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig) -> DSTDecision:
     """Budgets per unit that pull every predicted latency toward the anchor."""
     if not units or any(len(unit) == 0 for unit in units):
         raise ValueError("tune_budgets: need at least one unit, each with >= 1 micro-batch")
     before = cost_model.predict_units(units, cfg.beta0, cfg.policy)
-    anchor = _anchor(before, cfg.anchor)
-    budgets = np.full(len(units), cfg.beta0)
-    after = before.copy()
-    n_clamped = 0
+    if cfg.anchor == "recall" and cfg.enabled:
+        anchor = _recall_neutral_anchor(units, cost_model, cfg, before)
+    else:  # (disabled: the anchor is only logged)
+        anchor = _anchor(before, "mean" if cfg.anchor == "recall" else cfg.anchor)
+    attending, static = recalled_tokens(units, cfg.beta0, cost_model)
     if cfg.enabled:
-        slow = before > anchor * (1 + cfg.p)
-        fast = before < anchor * (1 - cfg.p)
-        idx = np.flatnonzero(slow | fast)
-        if idx.size:
-            # Bottlenecks search [beta_min, beta0], the rest [beta0, beta_max]: a unit
-            # is never pushed the wrong way.
-            solutions = cost_model.budgets_for(
-                [units[i] for i in idx],
-                anchor,
-                cfg.policy,
-                beta_min=np.where(slow[idx], cfg.beta_min, cfg.beta0),
-                beta_max=np.where(slow[idx], cfg.beta0, cfg.beta_max),
-            )
-            for i, sol in zip(idx.tolist(), solutions, strict=True):
-                budgets[i], after[i] = sol.beta, sol.predicted_s
-                n_clamped += sol.clamped != 0
+        budgets, after, n_clamped = _budgets_at(units, cost_model, cfg, before, anchor)
+    else:
+        budgets, after, n_clamped = np.full(len(units), cfg.beta0), before.copy(), 0
     return DSTDecision(
         budgets=budgets.tolist(),
         anchor_s=anchor,
@@ -138,4 +247,7 @@ def tune_budgets(units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig) -
         n_raised=int((budgets > cfg.beta0).sum()),
         n_lowered=int((budgets < cfg.beta0).sum()),
         n_clamped=int(n_clamped),
+        attending_tokens=attending.tolist(),
+        recalled_tokens=recalled_tokens(units, budgets, cost_model)[1].tolist(),
+        recalled_tokens_static=static.tolist(),
     )

@@ -36,7 +36,7 @@ from sb_titan.cost_model import (
     analytic_stage_spec,
     build_cost_model,
 )
-from sb_titan.dst import DSTConfig, DSTDecision, tune_budgets
+from sb_titan.dst import DSTConfig, DSTDecision, sensitive_recall, tune_budgets
 from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_registry
 from sb_titan.sab import SABConfig, StepPlan
@@ -157,7 +157,7 @@ class SBTrainer(Trainer):
         stats: dict[int, list[float]] = {}
         for module in self._attention_modules():
             for mb, t in module.pop_stats().items():
-                acc = stats.setdefault(mb, [0.0, 0.0, 0.0])
+                acc = stats.setdefault(mb, [0.0, 0.0, 0.0, 0.0])
                 for i, v in enumerate(t.tolist()):
                     acc[i] += v
         return {
@@ -191,6 +191,9 @@ class SBTrainer(Trainer):
             if self.config.cost_model.refit and observations:
                 self.cost_model.refit(observations)
             self.cost_model.density_model.update(m.density_observations(plan))
+            self.cost_model.recall_model.update(
+                m.recall_observations(plan, self.cost_model.block_size)
+            )
         else:
             predicted = None
         planner = getattr(self.dataloader, "planner", None)
@@ -231,6 +234,8 @@ class SBTrainer(Trainer):
                     "dst/clamped": d.n_clamped,
                     "dst/predicted_imbalance_before": d.imbalance_before,
                     "dst/predicted_imbalance_after": d.imbalance_after,
+                    "dst/predicted_recall": d.predicted_recall,
+                    "dst/predicted_recall_static": d.predicted_recall_static,
                 }
             )
         if predicted is not None and self.cost_model is not None:
@@ -303,7 +308,7 @@ class _StepMeasurements:
     rank_compute: dict[tuple[int, int], float]  # (dp, pp) -> summed compute seconds
     step_seconds: float
     density: dict[tuple[int, int], float]
-    recall: dict[tuple[int, int], float]
+    recall: dict[tuple[int, int], tuple[float, float]]  # (token-weighted sum, tokens)
     budgets: list[list[float]]
     pp_degree: int = 1
 
@@ -317,11 +322,12 @@ class _StepMeasurements:
             for mb, s in g["seconds"].items():
                 key = (g["dp"], int(mb))
                 seconds[key] = max(seconds.get(key, 0.0), s)
-            for mb, (d, r, n) in g["stats"].items():
-                acc = sums.setdefault((g["dp"], int(mb)), [0.0, 0.0, 0.0])
-                acc[0], acc[1], acc[2] = acc[0] + d, acc[1] + r, acc[2] + n
-        density = {k: v[0] / v[2] for k, v in sums.items() if v[2] > 0}
-        recall = {k: v[1] / v[2] for k, v in sums.items() if v[2] > 0}
+            for mb, values in g["stats"].items():  # [density_sum, rows, recall_sum, tokens]
+                acc = sums.setdefault((g["dp"], int(mb)), [0.0, 0.0, 0.0, 0.0])
+                for i, v in enumerate(values):
+                    acc[i] += v
+        density = {k: v[0] / v[1] for k, v in sums.items() if v[1] > 0}
+        recall = {k: (v[2], v[3]) for k, v in sums.items() if v[1] > 0}
         step = max(g["step_seconds"] for g in gathered)
         pp = 1 + max(g["pp"] for g in gathered)
         return cls(seconds, rank_compute, step, density, recall, budgets, pp)
@@ -342,6 +348,20 @@ class _StepMeasurements:
             lens = plan.microbatches[dp][mb].doc_lens
             if lens:
                 out.append((self.budgets[dp][mb], max(lens), rho))
+        return out
+
+    def recall_observations(
+        self, plan: StepPlan, block_size: int
+    ) -> list[tuple[float, int, float]]:
+        """(budget, length, kept mass of budget-sensitive tokens) per micro-batch, for
+        DST's recall model (dst.sensitive_recall inverts the measured recall)."""
+        out = []
+        for (dp, mb), (kept, tokens) in sorted(self.recall.items()):
+            if tokens > 0:
+                lens = plan.microbatches[dp][mb].doc_lens
+                obs = sensitive_recall(lens, kept / tokens, block_size)
+                if obs is not None:
+                    out.append((self.budgets[dp][mb], *obs))
         return out
 
     def sample_densities(self, plan: StepPlan) -> tuple[list[int], list[float]]:
@@ -395,7 +415,10 @@ class _StepMeasurements:
             out["balance/ideal_step_s"] = self.step_seconds - self._excess_over_balanced()
         if self.density:
             out["sparsity/density"] = float(np.mean(list(self.density.values())))
-            out["sparsity/recall"] = float(np.mean(list(self.recall.values())))
+            # Over attending tokens of the whole step (padding excluded), so a padded
+            # plan and a full one compare on the same footing.
+            kept, tokens = np.sum(list(self.recall.values()), axis=0)
+            out["sparsity/recall"] = float(kept / tokens) if tokens > 0 else 1.0
         return out
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sb_titan.cost_model import AnalyticSpec, CostModel
-from sb_titan.dst import DSTConfig, tune_budgets
+from sb_titan.dst import DSTConfig, recalled_tokens, sensitive_recall, tune_budgets
 
 # Qwen2.5-0.5B dims on a FLOP-based profile: a known formula, not a measurement.
 SPEC = AnalyticSpec(hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, layers=24)
@@ -140,3 +140,151 @@ def test_rejects_empty_units(model):
         tune_budgets([], model, DSTConfig())
     with pytest.raises(ValueError, match="unit"):
         tune_budgets([[[1024]], []], model, DSTConfig())
+
+
+# ---- the recall-neutral anchor ------------------------------------------------------------
+
+
+def reference_budgets(units, model, cfg, anchor):
+    """The band rule straight from the docstring, one unit at a time (public API)."""
+    before = [model.predict_budget(u, cfg.beta0, cfg.policy) for u in units]
+    out = []
+    for unit, t in zip(units, before, strict=True):
+        if t > anchor * (1 + cfg.p):
+            out.append(model.budget_for(unit, anchor, cfg.policy, cfg.beta_min, cfg.beta0).beta)
+        elif t < anchor * (1 - cfg.p):
+            out.append(model.budget_for(unit, anchor, cfg.policy, cfg.beta0, cfg.beta_max).beta)
+        else:
+            out.append(cfg.beta0)
+    return before, out
+
+
+def sensitive(units, block_size=64):
+    return np.array([sum(max(0, n - 2 * block_size) for mb in u for n in mb) for u in units])
+
+
+@pytest.mark.parametrize("policy", ["topk", "mass"])
+def test_recall_anchor_is_the_fastest_target_that_keeps_recall(model, policy):
+    cfg = DSTConfig(anchor="recall", policy=policy, beta0=0.7, beta_min=0.2, beta_max=1.0)
+    d = tune_budgets(SKEWED, model, cfg)
+    w = sensitive(SKEWED)  # the fresh recall model is its prior: kept mass = beta
+    keeps = lambda budgets: w @ np.asarray(budgets) >= cfg.beta0 * w.sum() * (1 - 1e-9)  # noqa: E731
+    before, ref = reference_budgets(SKEWED, model, cfg, d.anchor_s)
+    assert np.allclose(d.budgets, ref, atol=1e-9) and keeps(d.budgets)
+    assert d.predicted_recall >= d.predicted_recall_static - 1e-9
+    # Brute force over a grid of anchors: no lower one keeps recall.
+    grid = np.linspace(min(before), max(before), 400)
+    lowest = next(a for a in grid if keeps(reference_budgets(SKEWED, model, cfg, a)[1]))
+    step = grid[1] - grid[0]
+    assert lowest - step <= d.anchor_s <= lowest + 1e-9 * lowest
+    # It removes the straggler; against the mean anchor it is lower exactly when the
+    # mean anchor keeps recall too.
+    assert max(d.predicted_after) < max(d.predicted_before)
+    mean = tune_budgets(SKEWED, model, DSTConfig(**{**_fields(cfg), "anchor": "mean"}))
+    keeps_too = mean.predicted_recall >= mean.predicted_recall_static - 1e-12
+    assert (d.anchor_s <= mean.anchor_s) == keeps_too
+
+
+def test_recall_anchor_keeps_recall_where_the_mean_anchor_loses_it(model):
+    # DP-style: the heavy rank holds long documents, the light one mostly short ones,
+    # so the seconds the mean anchor moves buy fewer recall points on the light rank.
+    units = [[[32768], [16384, 16384]], [[8192] * 4, [4096] * 4 + [128] * 128]]
+    base = {"policy": "mass", "beta0": 0.8, "beta_min": 0.3, "beta_max": 1.0}
+    mean = tune_budgets(units, model, DSTConfig(anchor="mean", **base))
+    recall = tune_budgets(units, model, DSTConfig(anchor="recall", **base))
+    assert mean.predicted_recall < mean.predicted_recall_static - 0.01
+    assert recall.predicted_recall >= recall.predicted_recall_static - 1e-9
+    assert max(mean.predicted_after) < max(recall.predicted_after) < max(recall.predicted_before)
+
+
+def _fields(cfg):
+    return {k: getattr(cfg, k) for k in ("policy", "beta0", "beta_min", "beta_max", "p")}
+
+
+def test_recall_anchor_without_sensitive_tokens_is_the_minimum(model):
+    units = [[[128] * 30], [[100] * 4]]  # no document past two blocks: budgets change nothing
+    d = tune_budgets(units, model, DSTConfig(anchor="recall"))
+    assert d.predicted_recall == d.predicted_recall_static == 1.0
+    assert d.anchor_s == min(d.predicted_before)
+
+
+@pytest.mark.parametrize("policy", ["topk", "mass"])
+def test_selection_recall_is_bounded_by_the_budget_model(policy):
+    """The premise of the recall anchor: tokens in a document's first two blocks keep
+    all their estimated mass, the others at least beta."""
+    import torch
+
+    from sb_titan.attention.selection import select_blocks
+
+    lens = [[640, 128, 192, 64, 1024], [2048]]
+    doc_id = torch.stack(
+        [torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in lens]
+    )
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 2048, 32, generator=g), torch.randn(2, 2, 2048, 32, generator=g)
+    q[..., :4] += 3.0  # a shared direction: uneven, content-dependent mass
+    for beta in (0.3, 0.6, 0.9):
+        _, stats = select_blocks(q, k, doc_id, beta, policy=policy, block_size=64)
+        s = sensitive([[row] for row in lens])
+        bound = (2048 - s + s * beta) / 2048
+        assert (stats.recall.double().numpy() >= bound - 1e-5).all(), (beta, stats.recall)
+
+
+def test_measured_recall_inverts_to_the_recall_model():
+    model = CostModel.analytic(SPEC)
+    lens = [4096, 1000, 200, 1, 1]  # 1s: padding, not attending
+    attending, recalled = recalled_tokens([[lens]], 0.7, model)
+    assert attending[0] == 5296
+    length, kept = sensitive_recall(lens, recalled[0] / attending[0], 64)
+    assert length == 4096 and kept == pytest.approx(0.7, rel=1e-9)  # prior: kept = beta
+    assert sensitive_recall([100, 128, 1], 0.9, 64) is None  # nothing past two blocks
+
+
+def test_a_learned_recall_model_makes_the_recall_anchor_more_careful():
+    """Short documents already keep most of their mass at beta0, so raising them buys
+    little: once measured, the recall anchor cuts the long-document unit less."""
+    units = [[[32768], [16384, 16384]], [[8192] * 4, [4096] * 4 + [128] * 128]]
+    cfg = DSTConfig(anchor="recall", policy="mass", beta0=0.8, beta_min=0.3)
+    model = CostModel.analytic(SPEC)
+    prior = tune_budgets(units, model, cfg)
+    model.recall_model.update([(0.8, 4096, 0.95)] * 8 + [(0.8, 8192, 0.93)] * 8)
+    model.recall_model.update([(0.8, 32768, 0.82)] * 8 + [(0.8, 16384, 0.83)] * 8)
+    learned = tune_budgets(units, model, cfg)
+    assert learned.budgets[0] > prior.budgets[0] and learned.anchor_s > prior.anchor_s
+    assert learned.predicted_recall >= learned.predicted_recall_static - 1e-9
+    assert learned.predicted_recall_static > prior.predicted_recall_static
+
+
+def test_trainer_feeds_the_recall_model_from_gathered_measurements():
+    """What every rank does after a step: measured (recall sum, tokens) per micro-batch
+    → (budget, longest document, sensitive-token recall) → recall_model.update."""
+    from sb_titan.sab import MicroBatchPlan, Piece, StepPlan
+    from sb_titan.trainer import _StepMeasurements
+
+    def mb(*lens):
+        return MicroBatchPlan(rows=[[Piece(i, 0, n) for i, n in enumerate(lens)]])
+
+    plan = StepPlan(step=0, epoch=0, microbatches=[[mb(4096)], [mb(100, 60, 2000)]])
+    gathered = [
+        {
+            "dp": 0,
+            "pp": 0,
+            "seconds": {0: 2.0},
+            "step_seconds": 2.1,
+            "stats": {0: [0.8 * 4, 4.0, 0.85 * 4096 * 4, 4096.0 * 4]},
+        },
+        {
+            "dp": 1,
+            "pp": 0,
+            "seconds": {0: 1.0},
+            "step_seconds": 2.1,
+            "stats": {0: [0.9 * 4, 4.0, 0.95 * 2160 * 4, 2160.0 * 4]},
+        },
+    ]  # [density sum, rows, recall sum, tokens] over 4 sparse layers
+    m = _StepMeasurements.from_gathered(gathered, plan, [[0.6], [1.0]])
+    obs = m.recall_observations(plan, 64)
+    assert [(b, n) for b, n, _ in obs] == [(0.6, 4096), (1.0, 2000)]
+    want = [sensitive_recall([4096], 0.85, 64)[1], sensitive_recall([100, 60, 2000], 0.95, 64)[1]]
+    assert [x for _, _, x in obs] == pytest.approx(want, rel=1e-12)
+    assert obs[0][2] == pytest.approx((0.85 * 4096 - 128) / (4096 - 128))
+    assert m.metrics()["sparsity/recall"] == pytest.approx((0.85 * 4096 + 0.95 * 2160) / 6256)
