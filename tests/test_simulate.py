@@ -139,6 +139,25 @@ def test_sab_dst_balances_a_skewed_mix():
         assert r["step_time_s"] >= r["ideal_bound_s"] * (1 - 1e-9)
 
 
+def test_recall_anchor_keeps_the_recall_proxy_the_mean_anchor_spends():
+    cluster = Cluster(dp=4, pp=2, microbatches=4, seq_len=16384)
+    by_anchor = {}
+    for anchor in ("mean", "recall"):
+        sc = Scenario(flavor="0.5b", steps=3, dst=DSTConfig(anchor=anchor))
+        by_anchor[anchor] = simulate(cluster, sc)[0]["variants"]
+    for anchor, v in by_anchor.items():  # same plans: dst vs baseline, sab_dst vs sab
+        for tuned, static in (("dst", "baseline"), ("sab_dst", "sab")):
+            kept = v[tuned]["mean_recall_proxy"] >= v[static]["mean_recall_proxy"] - 1e-9
+            assert kept == (anchor == "recall"), (anchor, tuned, v[tuned], v[static])
+            assert v[tuned]["step_time_s"] < v[static]["step_time_s"] * 1.01
+    # Recall costs speed: the recall-neutral anchor is slower than the mean one, but it
+    # still removes much of the padded plan's straggler time.
+    mean, recall = by_anchor["mean"], by_anchor["recall"]
+    for tuned in ("dst", "sab_dst"):
+        assert recall[tuned]["step_time_s"] > mean[tuned]["step_time_s"]
+    assert recall["dst"]["step_time_s"] < 0.97 * recall["baseline"]["step_time_s"]
+
+
 def test_cli_json_keys_and_plot(tmp_path, capsys):
     out = tmp_path / "sim.json"
     argv = ["--flavor", "0.5b", "--dp", "2", "--pp", "2", "--microbatches", "4"]
