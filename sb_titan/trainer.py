@@ -287,6 +287,12 @@ class SBTrainer(Trainer):
         with open(self._rank_file("attention"), "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def close(self) -> None:
+        loader = getattr(self, "dataloader", None)  # absent if __init__ failed early
+        if hasattr(loader, "close"):
+            loader.close()
+        super().close()
+
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

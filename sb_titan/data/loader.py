@@ -211,6 +211,14 @@ class SBDataLoader(BaseDataLoader):
         self.planner.load_observation_state(state["sab_densities"])
         self.loader.load_state_dict(state["loader"])
 
+    def close(self) -> None:
+        """Stop the prefetch thread. Left running, it keeps planning and packing the
+        next steps while the interpreter exits, and a daemon thread caught inside torch
+        at exit can abort the process after training has finished."""
+        worker = getattr(self._root, "_it", None)
+        if worker is not None:
+            worker._shutdown()
+
 
 def _token_count_cost(doc_lens: list[int]) -> float:
     """Stand-in 'latency' when no cost model is configured (only the `sequential` and
