@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sb_titan.recall_model import RecallModel
+
 logger = logging.getLogger(__name__)
 
 PROFILE_FORMAT = "sb_titan.profile"
@@ -318,9 +320,6 @@ class DensityModel:
     blocks by mass always hold at least beta of it. Unobserved knots follow the prior's
     shape scaled to the nearest observed knot; each length's row is made
     non-decreasing in beta (weighted isotonic regression); lookups interpolate.
-
-    The same table serves DST's recall model (`CostModel.recall_model`): the estimated
-    mass kept on budget-sensitive query tokens, whose prior beta is a lower bound.
     """
 
     def __init__(
@@ -487,7 +486,7 @@ class CostModel:
     ) -> None:
         self.profile = profile
         self.density_model = density_model if density_model is not None else DensityModel()
-        self.recall_model = DensityModel()  # kept mass of budget-sensitive tokens (dst.py)
+        self.recall_model = RecallModel()  # DST's: kept mass of budget-sensitive tokens
         self.block_size = profile.block_size
         self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
         self.scale_bounds = scale_bounds
