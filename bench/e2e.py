@@ -1,12 +1,15 @@
 """The four-variant end-to-end benchmark on real torchrun processes (CPU, 2 ranks).
 
-    python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--steps N]
+    python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--steps N] [--repeats R]
 
-For each scenario (DP=2 with 4 micro-batches per rank; PP=2 with 4 micro-batches) it
-launches ./run_train.sh with train_configs/e2e_cpu.toml four times — baseline
-(sequential packing, static beta0), SAB only, DST only, SAB+DST — reads the TensorBoard
-events each run wrote and writes bench/results/e2e.json plus a table in
-docs/results.md. Step time is the median over the steps after warm-up.
+For each scenario (DP=2 with 2 micro-batches per rank; PP=2 with 4 micro-batches) it
+launches ./run_train.sh with train_configs/e2e_cpu.toml once per variant — baseline
+(sequential packing, static beta0), SAB only, DST only, SAB+DST (the config's
+recall-neutral anchor), and SAB+DST with the paper's mean anchor — reads the TensorBoard
+events each run wrote and writes bench/results/e2e.json, a markdown table (stdout; it
+goes into docs/results.md) and docs/e2e.png. Step time is the median over the steps
+after warm-up; throughput is real tokens over seconds summed over those steps. With
+--repeats R every variant runs R times, interleaved, and figures are medians over runs.
 """
 
 from __future__ import annotations
@@ -47,11 +50,17 @@ VARIANTS = {
     "sab": ["--sab.policy", "sab"],
     "dst": ["--sab.policy", "sequential", "--dst.enabled"],
     "sab_dst": ["--sab.policy", "sab", "--dst.enabled"],
+    # The paper's time-neutral anchor beside the config's recall-neutral one.
+    "sab_dst_mean": ["--sab.policy", "sab", "--dst.enabled", "--dst.anchor", "mean"],
 }
 
 
+def _after_warmup(series: dict[int, float]) -> list[float]:
+    return [v for step, v in sorted(series.items()) if step > WARMUP]
+
+
 def _median_after_warmup(series: dict[int, float]) -> float:
-    values = [v for step, v in sorted(series.items()) if step > WARMUP]
+    values = _after_warmup(series)
     return float(statistics.median(values)) if values else float("nan")
 
 
@@ -70,17 +79,25 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
     ]
     env = dict(os.environ, CONFIG_FILE=str(CONFIG), NGPU="2", OMP_NUM_THREADS="1")
     t0 = time.time()
-    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    attempts = 0
+    while attempts < 2:  # a gloo teardown abort after training was seen once
+        attempts += 1
+        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode == 0:
+            break
+        print(f"    {scenario}/{variant} exited {proc.returncode} (attempt {attempts})", flush=True)
     if proc.returncode != 0:
         sys.exit(f"{scenario}/{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     s = read_scalars(dump)
     med = lambda tag: _median_after_warmup(s.get(tag, {}))  # noqa: E731
     loss = s["loss_metrics/global_avg_loss"]
-    step_time = med("time_metrics/end_to_end(s)")
-    real_tokens = med("data/real_tokens")
+    # Throughput over the whole measured window (sum / sum): steps differ widely in
+    # content, and a ratio of medians would pair tokens and seconds of different steps.
+    seconds = _after_warmup(s["time_metrics/end_to_end(s)"])
+    tokens = _after_warmup(s["data/real_tokens"])
     return {
-        "step_time_s": step_time,
-        "tokens_per_s": real_tokens / step_time,
+        "step_time_s": med("time_metrics/end_to_end(s)"),
+        "tokens_per_s": sum(tokens) / sum(seconds),
         "padding_share": med("data/padding_share"),
         "ideal_bound_s": med("balance/ideal_step_s"),
         "imbalance_max_over_mean": med("balance/rank_imbalance"),
@@ -94,23 +111,49 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
         "cost_model_ape": med("cost_model/ape_mean"),
         "final_loss": loss[max(loss)],
         "wall_s": time.time() - t0,
+        "attempts": attempts,
     }
 
 
+def combine(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """One row per variant from its repeats: medians of the per-run figures, and the
+    speedup as the median of ratios paired by repeat (run r of a variant against run
+    r of the baseline, which ran minutes apart rather than half an hour)."""
+    rows = {}
+    for variant, rs in runs.items():
+        row = {k: float(statistics.median(r[k] for r in rs)) for k in rs[0]}
+        paired = [
+            r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["baseline"], strict=True)
+        ]
+        # Per real token: SAB packs rows fuller, so a step carries more tokens.
+        row["speedup_vs_baseline"] = float(statistics.median(paired))
+        row["speedup_runs"] = paired
+        row["step_speedup_vs_baseline"] = (
+            rows.get("baseline", row)["step_time_s"] / row["step_time_s"]
+        )
+        rows[variant] = row
+    return rows
+
+
 def markdown(results: dict) -> str:
+    """The tables of docs/results.md."""
     lines = []
     for scenario, variants in results["scenarios"].items():
         lines += [
-            f"**{scenario}** ({results['steps']} steps, median after {WARMUP} warm-up steps)",
+            f"**{scenario}** ({results['steps']} steps, {results.get('repeats', 1)} run(s) "
+            f"per variant, figures after {WARMUP} warm-up steps)",
             "",
-            "| variant | step s | tokens/s | speedup (tok/s) | ideal s | rank imb. | mb imb. | "
-            "bubble | padding | recall | density | final loss |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| variant | step s | real tokens/s | speedup (tokens/s) [runs] | ideal s | "
+            "step / ideal | rank max/mean | micro-batch max/mean | non-compute share | "
+            "padding | mean recall | mean density | final loss |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in variants.items():
+            runs = " / ".join(f"{x:.2f}" for x in r.get("speedup_runs", []))
             lines.append(
                 f"| {name} | {r['step_time_s']:.2f} | {r['tokens_per_s']:.0f} | "
-                f"{r['speedup_vs_baseline']:.3f} | {r['ideal_bound_s']:.2f} | "
+                f"{r['speedup_vs_baseline']:.3f} [{runs}] | {r['ideal_bound_s']:.2f} | "
+                f"{r['step_time_s'] / r['ideal_bound_s']:.3f} | "
                 f"{r['imbalance_max_over_mean']:.3f} | {r['microbatch_imbalance']:.3f} | "
                 f"{r['bubble_share']:.3f} | {r['padding_share']:.3f} | "
                 f"{r['mean_recall']:.3f} | {r['mean_density']:.3f} | {r['final_loss']:.3f} |"
@@ -131,7 +174,8 @@ def plot(results: dict, out: Path) -> None:
     for ax, (name, rows) in zip(axes[0], scenarios.items(), strict=True):
         names = list(rows)
         tps = [rows[n]["tokens_per_s"] for n in names]
-        bars = ax.bar(names, tps, color=["#888", "#4a90d9", "#e08a3c", "#3aa35b"][: len(names)])
+        colors = ["#888", "#4a90d9", "#e08a3c", "#3aa35b", "#9b59b6"]
+        bars = ax.bar(names, tps, color=colors[: len(names)])
         for bar, n in zip(bars, names, strict=True):
             r = rows[n]
             ax.annotate(
@@ -141,7 +185,7 @@ def plot(results: dict, out: Path) -> None:
                 va="bottom",
                 fontsize=8,
             )
-        ax.set_title(f"{name}: real tokens/s (median of steps)")
+        ax.set_title(f"{name}: real tokens/s after warm-up")
         ax.set_ylim(0, max(tps) * 1.25)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -151,14 +195,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 steps, DP scenario only")
     parser.add_argument("--scenarios", default="dp2,pp2")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs per variant, interleaved (the host is noisy)"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "bench_e2e")
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "e2e.png")
-    parser.add_argument("--plot-only", action="store_true", help="redraw from --out's JSON")
+    parser.add_argument(
+        "--plot-only", action="store_true", help="redraw the plot and print the tables from --out"
+    )
     args = parser.parse_args()
     if args.plot_only:
-        plot(json.loads(args.out.read_text()), args.plot)
+        results = json.loads(args.out.read_text())
+        plot(results, args.plot)
+        print(markdown(results))
         return
     steps = 6 if args.quick else args.steps
     scenarios = ["dp2"] if args.quick else args.scenarios.split(",")
@@ -166,29 +217,27 @@ def main() -> None:
         "config": str(CONFIG.relative_to(REPO)),
         "steps": steps,
         "warmup": WARMUP,
+        "repeats": args.repeats,
         "load_average_1min": os.getloadavg()[0],
         "scenarios": {},
     }
-    total = len(scenarios) * len(VARIANTS)
+    total = len(scenarios) * len(VARIANTS) * args.repeats
     done = 0
     for scenario in scenarios:
-        rows = {}
-        for variant in VARIANTS:
-            print(f"[{done + 1}/{total}] {scenario}/{variant} ...", flush=True)
-            rows[variant] = run_variant(scenario, variant, steps, args.root)
-            done += 1
-            r = rows[variant]
-            print(
-                f"    step {r['step_time_s']:.2f}s  imbalance {r['imbalance_max_over_mean']:.3f}"
-                f"  recall {r['mean_recall']:.3f}  ({r['wall_s']:.0f}s)",
-                flush=True,
-            )
-        base = rows["baseline"]
-        for r in rows.values():
-            # Per real token: SAB packs rows fuller, so a step carries more tokens.
-            r["speedup_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["step_speedup_vs_baseline"] = base["step_time_s"] / r["step_time_s"]
-        results["scenarios"][scenario] = rows
+        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        for repeat in range(args.repeats):  # variants interleaved, so drift hits all alike
+            for variant in VARIANTS:
+                print(f"[{done + 1}/{total}] {scenario}/{variant} ...", flush=True)
+                r = run_variant(scenario, variant, steps, args.root / f"r{repeat}")
+                runs[variant].append(r)
+                done += 1
+                print(
+                    f"    step {r['step_time_s']:.2f}s  {r['tokens_per_s']:.0f} tok/s  "
+                    f"imbalance {r['imbalance_max_over_mean']:.3f}  recall {r['mean_recall']:.3f}"
+                    f"  ({r['wall_s']:.0f}s)",
+                    flush=True,
+                )
+        results["scenarios"][scenario] = combine(runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
