@@ -486,8 +486,8 @@ class CostModel:
     ) -> None:
         self.profile = profile
         self.density_model = density_model if density_model is not None else DensityModel()
-        self.recall_model = RecallModel()  # DST's: kept mass of budget-sensitive tokens
         self.block_size = profile.block_size
+        self.recall_model = RecallModel(block_size=self.block_size)  # DST's (dst.py)
         self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
         self.scale_bounds = scale_bounds
         self._profile_digest = profile.digest()

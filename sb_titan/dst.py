@@ -11,8 +11,9 @@ The anchor is a statistic of the predicted latencies (the paper's min/mean/media
 or `recall`: the lowest latency target at which the step's predicted recall is not
 below beta0's. A budget only changes the attention of query tokens past the first two
 blocks of their document (sink and diagonal are always kept); the mass such tokens
-keep at budget beta is `cost_model.recall_model` (prior: beta, a lower bound for both
-policies; learned online from the recall the trainer measures). Time-balancing alone
+keep at budget beta is `cost_model.recall_model` (at least beta under both policies,
+plus an overshoot: a uniform-mass prior and a correction learned online from the
+recall the trainer measures; sb_titan/recall_model.py). Time-balancing alone
 (the mean anchor) moves equal seconds, which buy fewer recall points on a unit of
 short documents (already near 1) than they cost on a unit of long ones; `recall`
 stops where the trade is even.

@@ -3,17 +3,17 @@
 A query token past the first two blocks of its document keeps at least beta of its
 estimated mass under both selection policies (`mass` stops once it has beta; the top
 ceil(beta * n) blocks by mass hold at least beta of it). What it keeps beyond beta, the
-overshoot (the last block `mass` adds, the ceiling `topk` rounds up to, the forced sink
-and diagonal blocks), depends on how many key blocks a query block sees, i.e. on the
-document's length, far more than on beta. So
+overshoot, comes from granularity: whole blocks are kept, at least two of them (sink
+and diagonal), out of the n a query block may see. So the prior is what uniform mass
+would give, max(ceil(beta * n), 2) / n - beta averaged over the document's sensitive
+query blocks (n = 3 .. N for a document of N blocks): large for short documents, small
+for long ones. On top of it one correction per integer log2-length knot is learned
+from measured recall at *any* budget (DST moves budgets away from beta0 exactly when it
+acts, and a model that learned per budget would mispredict beta0 itself):
 
-    r(beta, L) = min(1, beta + delta(L))
+    r(beta, L) = min(1, beta + uniform_overshoot(beta, L) + correction(L))
 
-with one overshoot per integer log2-length knot, learned from measurements at *any*
-budget (DST moves budgets away from beta0 exactly when it matters, so a model that only
-learned at the budgets it saw would mispredict beta0 itself). Prior delta = 0: the
-lower bound. DST (dst.py) predicts a step's recall with it; the trainer feeds it the
-recall it measures.
+DST (dst.py) predicts a step's recall with it; the trainer feeds it what it measures.
 """
 
 from __future__ import annotations
@@ -23,58 +23,97 @@ from typing import Any
 
 import numpy as np
 
+_BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
+
+
+def uniform_overshoot(beta: float, n_blocks: int) -> float:
+    """Mean of max(ceil(beta * n), 2) / n - beta over n = 3 .. n_blocks (0 if none)."""
+    n = np.arange(3, max(n_blocks, 2) + 1, dtype=np.float64)
+    if not n.size:
+        return 0.0
+    kept = np.maximum(np.ceil(beta * n * (1 - 1e-9)), 2.0) / n
+    return float(np.mean(np.minimum(kept, 1.0) - beta))
+
 
 class RecallModel:
-    """r(beta, L) = min(1, beta + delta(L)); delta a running mean per log2-length knot."""
+    """Kept mass of budget-sensitive tokens: uniform-mass prior + a learned correction."""
 
-    def __init__(self, *, log2_len_min: int = 6, log2_len_max: int = 20, max_count: int = 256):
-        if log2_len_max <= log2_len_min or max_count < 1:
-            raise ValueError("RecallModel: need log2_len_min < log2_len_max and max_count >= 1")
+    def __init__(
+        self,
+        *,
+        block_size: int = 64,
+        log2_len_min: int = 6,
+        log2_len_max: int = 20,
+        max_count: int = 256,
+    ):
+        if log2_len_max <= log2_len_min or max_count < 1 or block_size < 1:
+            raise ValueError(
+                "RecallModel: need log2_len_min < log2_len_max, max_count >= 1, block_size >= 1"
+            )
+        self.block_size = int(block_size)
         self.log2_len_min, self.log2_len_max = int(log2_len_min), int(log2_len_max)
         self.max_count = int(max_count)
-        n = self.log2_len_max - self.log2_len_min + 1
-        self.count = np.zeros(n, dtype=np.int64)
-        self.mean = np.zeros(n, dtype=np.float64)
+        knots = np.arange(self.log2_len_min, self.log2_len_max + 1)
+        blocks = np.ceil(2.0**knots / self.block_size).astype(np.int64)
+        betas = np.arange(_BETA_GRID + 1) / _BETA_GRID
+        self._prior = np.array([[uniform_overshoot(b, n) for b in betas] for n in blocks])
+        self.count = np.zeros(len(knots), dtype=np.int64)
+        self.mean = np.zeros(len(knots), dtype=np.float64)
         self._refresh()
 
     def _refresh(self) -> None:
-        """Unobserved knots take the nearest observed knot's overshoot (0 if none)."""
+        """Unobserved knots take the nearest observed knot's correction (0 if none)."""
         seen = np.flatnonzero(self.count > 0)
         if not seen.size:
-            self.delta = np.zeros_like(self.mean)
+            self.correction = np.zeros_like(self.mean)
             return
         knots = np.arange(len(self.mean))
         nearest = seen[np.argmin(np.abs(knots[:, None] - seen[None, :]), axis=1)]
-        self.delta = self.mean[nearest]
+        self.correction = self.mean[nearest]
 
     def _x(self, lengths: np.ndarray) -> np.ndarray:
+        """Position on the log2-length knots."""
         x = np.log2(np.maximum(lengths, 1.0)) - self.log2_len_min
         return np.clip(x, 0.0, len(self.mean) - 1)
 
+    def _uniform(self, beta: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The prior overshoot, bilinear in (log2 length, beta)."""
+        x = self._x(lengths)
+        i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
+        y = np.clip(beta, 0.0, 1.0) * _BETA_GRID
+        j = np.minimum(np.floor(y).astype(np.int64), _BETA_GRID - 1)
+        u, v, p = x - i, y - j, self._prior
+        return (1 - u) * ((1 - v) * p[i, j] + v * p[i, j + 1]) + u * (
+            (1 - v) * p[i + 1, j] + v * p[i + 1, j + 1]
+        )
+
+    def _correction(self, lengths: np.ndarray) -> np.ndarray:
+        x = self._x(lengths)
+        i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
+        return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
+
     def predict(self, beta: np.ndarray | float, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Kept mass per document; continuous and non-decreasing in beta, 1 at beta = 1."""
+        """Kept mass per document, within [beta, 1]."""
         beta, lengths = np.broadcast_arrays(
             np.asarray(beta, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
         )
-        x = self._x(lengths)
-        i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
-        t = x - i
-        delta = self.delta[i] + t * (self.delta[i + 1] - self.delta[i])
-        return np.minimum(1.0, beta + delta)
+        overshoot = self._uniform(beta, lengths) + self._correction(lengths)
+        return np.clip(beta + overshoot, beta, 1.0)
 
     def update(self, observations: Iterable[tuple[float, int, float]]) -> None:
-        """Fold in (beta, length, kept mass) triples: an exact mean per knot up to
-        max_count observations, then an EMA (attention sharpens as training goes)."""
+        """Fold in (beta, length, kept mass) triples: per knot, the mean of what was kept
+        beyond the prior (exact up to max_count observations, then an EMA: attention
+        sharpens as training goes)."""
         obs = np.asarray(list(observations), dtype=np.float64).reshape(-1, 3)
         beta, length, kept = obs.T
         ok = np.isfinite(obs).all(axis=1) & (beta > 0) & (beta < 1) & (length >= 1)
         if not ok.any():
-            return  # at beta = 1 everything is kept: no information about the overshoot
+            return  # at beta = 1 everything is kept: nothing to learn
         beta, length, kept = beta[ok], length[ok], kept[ok]
-        overshoot = np.clip(kept - beta, 0.0, 1.0 - beta)
+        residual = np.clip(kept, beta, 1.0) - beta - self._uniform(beta, length)
         knot = np.rint(self._x(length)).astype(np.int64)
         k = np.bincount(knot, minlength=len(self.mean))
-        s = np.bincount(knot, weights=overshoot, minlength=len(self.mean))
+        s = np.bincount(knot, weights=residual, minlength=len(self.mean))
         n = self.count + k
         w = np.where(k > 0, np.minimum(1.0, k / np.maximum(np.minimum(n, self.max_count), 1)), 0.0)
         self.mean = self.mean + w * (s / np.maximum(k, 1) - self.mean)
@@ -83,6 +122,7 @@ class RecallModel:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            "block_size": self.block_size,
             "log2_len_min": self.log2_len_min,
             "log2_len_max": self.log2_len_max,
             "max_count": self.max_count,
@@ -91,11 +131,8 @@ class RecallModel:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(
-            log2_len_min=state["log2_len_min"],
-            log2_len_max=state["log2_len_max"],
-            max_count=state["max_count"],
-        )
+        keys = ("block_size", "log2_len_min", "log2_len_max", "max_count")
+        self.__init__(**{k: state[k] for k in keys})
         count = np.asarray(state["count"], dtype=np.int64)
         mean = np.asarray(state["mean"], dtype=np.float64)
         if count.shape != self.count.shape or mean.shape != self.mean.shape:

@@ -167,8 +167,17 @@ def sensitive(units, block_size=64):
 def test_recall_anchor_is_the_fastest_target_that_keeps_recall(model, policy):
     cfg = DSTConfig(anchor="recall", policy=policy, beta0=0.7, beta_min=0.2, beta_max=1.0)
     d = tune_budgets(SKEWED, model, cfg)
-    w = sensitive(SKEWED)  # the fresh recall model is its prior: kept mass = beta
-    keeps = lambda budgets: w @ np.asarray(budgets) >= cfg.beta0 * w.sum() * (1 - 1e-9)  # noqa: E731
+
+    def recalled(budgets):  # sensitive tokens x the mass they keep, summed over documents
+        r = model.recall_model.predict
+        return sum(
+            max(0, n - 128) * float(r(b, n))
+            for u, b in zip(SKEWED, budgets, strict=True)
+            for mb in u
+            for n in mb
+        )
+
+    keeps = lambda budgets: recalled(budgets) >= recalled([cfg.beta0] * len(SKEWED)) * (1 - 1e-9)  # noqa: E731
     before, ref = reference_budgets(SKEWED, model, cfg, d.anchor_s)
     assert np.allclose(d.budgets, ref, atol=1e-9) and keeps(d.budgets)
     assert d.predicted_recall >= d.predicted_recall_static - 1e-9
@@ -236,7 +245,9 @@ def test_measured_recall_inverts_to_the_recall_model():
     attending, recalled = recalled_tokens([[lens]], 0.7, model)
     assert attending[0] == 5296
     length, kept = sensitive_recall(lens, recalled[0] / attending[0], 64)
-    assert length == 4096 and kept == pytest.approx(0.7, rel=1e-9)  # prior: kept = beta
+    per_doc = model.recall_model.predict(0.7, [4096, 1000, 200])
+    want = (per_doc * [4096 - 128, 1000 - 128, 200 - 128]).sum() / (5296 - 3 * 128)
+    assert length == 4096 and kept == pytest.approx(want, rel=1e-9)
     assert sensitive_recall([100, 128, 1], 0.9, 64) is None  # nothing past two blocks
 
 
