@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from sb_titan.knot_means import fold_in, nearest
 from sb_titan.recall_model import RecallModel
 
 logger = logging.getLogger(__name__)
@@ -304,11 +305,6 @@ def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.array([s / ws for s, ws, n in blocks for _ in range(int(n))])
 
 
-def _nearest(observed: np.ndarray, size: int) -> np.ndarray:
-    """For each index in range(size), the nearest observed index (ties: the lower)."""
-    return observed[np.argmin(np.abs(np.arange(size)[:, None] - observed[None, :]), axis=1)]
-
-
 class DensityModel:
     """rho_hat(beta, L): realised density of the `mass` policy at budget beta.
 
@@ -372,8 +368,8 @@ class DensityModel:
         ratio = np.where(seen, self.mean / prior, np.nan)
         rows = np.flatnonzero(seen.any(axis=1))
         for i in rows:  # unobserved betas: the ratio of the nearest observed beta
-            ratio[i] = ratio[i, _nearest(np.flatnonzero(seen[i]), self.beta_knots)]
-        ratio = ratio[_nearest(rows, len(ratio))]  # unobserved lengths: nearest observed
+            ratio[i] = ratio[i, nearest(np.flatnonzero(seen[i]), self.beta_knots)]
+        ratio = ratio[nearest(rows, len(ratio))]  # unobserved lengths: nearest observed
         filled = np.where(seen, self.mean, np.clip(prior * ratio, 0.0, 1.0))
         weight = np.where(seen, np.minimum(self.count, self.max_count), 0.01)
         self.table = np.stack([_isotonic(f, w) for f, w in zip(filled, weight, strict=True)])
@@ -407,13 +403,7 @@ class DensityModel:
         beta, length, rho = beta[ok], length[ok], rho[ok]
         x, y = self._coords(beta, length)
         flat = np.rint(x).astype(np.int64) * self.beta_knots + np.rint(y).astype(np.int64)
-        size = self.count.size
-        k = np.bincount(flat, minlength=size).reshape(self.count.shape)
-        s = np.bincount(flat, weights=rho, minlength=size).reshape(self.count.shape)
-        n = self.count + k
-        w = np.where(k > 0, np.minimum(1.0, k / np.maximum(np.minimum(n, self.max_count), 1)), 0.0)
-        self.mean = self.mean + w * (s / np.maximum(k, 1) - self.mean)
-        self.count = n
+        self.mean, self.count = fold_in(self.mean, self.count, flat, rho, self.max_count)
         self._refresh()
 
     def state_dict(self) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from sb_titan.knot_means import fold_in, nearest
+
 _BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
 
 
@@ -67,9 +69,7 @@ class RecallModel:
         if not seen.size:
             self.correction = np.zeros_like(self.mean)
             return
-        knots = np.arange(len(self.mean))
-        nearest = seen[np.argmin(np.abs(knots[:, None] - seen[None, :]), axis=1)]
-        self.correction = self.mean[nearest]
+        self.correction = self.mean[nearest(seen, len(self.mean))]
 
     def _x(self, lengths: np.ndarray) -> np.ndarray:
         """Position on the log2-length knots."""
@@ -112,12 +112,7 @@ class RecallModel:
         beta, length, kept = beta[ok], length[ok], kept[ok]
         residual = np.clip(kept, beta, 1.0) - beta - self._uniform(beta, length)
         knot = np.rint(self._x(length)).astype(np.int64)
-        k = np.bincount(knot, minlength=len(self.mean))
-        s = np.bincount(knot, weights=residual, minlength=len(self.mean))
-        n = self.count + k
-        w = np.where(k > 0, np.minimum(1.0, k / np.maximum(np.minimum(n, self.max_count), 1)), 0.0)
-        self.mean = self.mean + w * (s / np.maximum(k, 1) - self.mean)
-        self.count = n
+        self.mean, self.count = fold_in(self.mean, self.count, knot, residual, self.max_count)
         self._refresh()
 
     def state_dict(self) -> dict[str, Any]:
