@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sb_titan.knot_means import fold_in, nearest
+from sb_titan.knot_means import fold_in, nearest, tables_from_state
 from sb_titan.recall_model import RecallModel
 
 logger = logging.getLogger(__name__)
@@ -420,11 +420,7 @@ class DensityModel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = ("prior_exponent", "beta_knots", "log2_len_min", "log2_len_max", "max_count")
         self._configure(*(state[k] for k in keys))
-        count = np.asarray(state["count"], dtype=np.int64)
-        mean = np.asarray(state["mean"], dtype=np.float64)
-        if count.shape != self.count.shape or mean.shape != self.mean.shape:
-            raise ValueError(f"DensityModel state: expected tables of shape {self.count.shape}")
-        self.count, self.mean = count, mean
+        self.mean, self.count = tables_from_state(state, self.count.shape, "DensityModel")
         self._refresh()
 
 

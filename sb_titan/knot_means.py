@@ -25,3 +25,14 @@ def fold_in(
 def nearest(observed: np.ndarray, size: int) -> np.ndarray:
     """For each index in range(size), the nearest observed index (ties: the lower)."""
     return observed[np.argmin(np.abs(np.arange(size)[:, None] - observed[None, :]), axis=1)]
+
+
+def tables_from_state(
+    state: dict, shape: tuple[int, ...], owner: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, count) from a state dict, checked against the configured table shape."""
+    count = np.asarray(state["count"], dtype=np.int64)
+    mean = np.asarray(state["mean"], dtype=np.float64)
+    if count.shape != shape or mean.shape != shape:
+        raise ValueError(f"{owner} state: expected tables of shape {shape}")
+    return mean, count

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sb_titan.knot_means import fold_in, nearest
+from sb_titan.knot_means import fold_in, nearest, tables_from_state
 
 _BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
 
@@ -128,9 +128,5 @@ class RecallModel:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = ("block_size", "log2_len_min", "log2_len_max", "max_count")
         self.__init__(**{k: state[k] for k in keys})
-        count = np.asarray(state["count"], dtype=np.int64)
-        mean = np.asarray(state["mean"], dtype=np.float64)
-        if count.shape != self.count.shape or mean.shape != self.mean.shape:
-            raise ValueError(f"RecallModel state: expected tables of shape {self.count.shape}")
-        self.count, self.mean = count, mean
+        self.mean, self.count = tables_from_state(state, self.count.shape, "RecallModel")
         self._refresh()
