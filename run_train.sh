@@ -19,6 +19,12 @@ fi
 NNODES="${NNODES:-1}"
 LOG_RANK="${LOG_RANK:-0}"
 
+for arg in "$@"; do
+  case "$arg" in
+    -h|--help) exec .venv/bin/python -m sb_titan.train --config_file "$CONFIG_FILE" "$@" ;;
+  esac
+done
+
 # Fail fast, once, with a clear message on a bad config (before spawning ranks).
 .venv/bin/python -m sb_titan.train --check-config --config_file "$CONFIG_FILE" "$@"
 

@@ -83,30 +83,13 @@ def load_lengths(data: str, seq_len: int, docs: int, seed: int) -> tuple[np.ndar
 
 def shape_from_config(path: Path, world_size: int) -> tuple[Shape, SABConfig, dict]:
     """The shape the trainer would give the loader, from a TOML train config."""
-    import os
-
     from sb_titan.config.toml import load_config
-    from sb_titan.trainer import SBTrainer
+    from sb_titan.step_shape import step_shape
 
     config = load_config(path)
-    before = os.environ.get("WORLD_SIZE")
-    os.environ["WORLD_SIZE"] = str(world_size)
-    try:
-        SBTrainer._configure_loader(config)
-    finally:
-        if before is None:
-            del os.environ["WORLD_SIZE"]
-        else:
-            os.environ["WORLD_SIZE"] = before
-    p = config.parallelism
-    non_dp = p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    step = step_shape(config, world_size)
+    shape = Shape(seq_len=step.seq_len, dp=step.dp, microbatches=step.microbatches, rows=step.rows)
     loader = config.dataloader
-    shape = Shape(
-        seq_len=config.training.seq_len,
-        dp=world_size // non_dp,
-        microbatches=loader.microbatches_per_step,
-        rows=config.training.local_batch_size,
-    )
     synthetic = {"docs": loader.synthetic_docs, "seed": loader.synthetic_seed}
     return shape, config.sab, synthetic
 
@@ -150,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
 
     shape, sab, synthetic = Shape(65536, 8, 8, 1), SABConfig(), {"docs": 20000, "seed": 0}
     if args.config is not None:
-        shape, sab, synthetic = shape_from_config(args.config, args.world_size)
+        try:
+            shape, sab, synthetic = shape_from_config(args.config, args.world_size)
+        except ValueError as e:  # ConfigError included: one line naming the file and key
+            print(f"sb-plan: error: {e}", file=sys.stderr)
+            return 2
     shape = Shape(
         seq_len=args.seq_len or shape.seq_len,
         dp=args.dp or shape.dp,

@@ -791,14 +791,16 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
     pp, schedule, seq_len, mbs, rows = 1, "1F1B", 65536, 8, 1
     if args.config:
         from sb_titan.config.toml import load_config
+        from sb_titan.step_shape import step_shape
 
         cfg = load_config(args.config)
         par = cfg.parallelism
         pp, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_schedule
-        seq_len = cfg.training.seq_len
-        if pp > 1:
-            rows = par.pipeline_parallel_microbatch_size
-            mbs = max(1, cfg.training.local_batch_size // rows)
+        non_dp = pp * par.tensor_parallel_degree * par.context_parallel_degree
+        # The trainer's step (gradient accumulation included) for --dp ranks of data
+        # parallelism; --pp below only overrides the stage count of the replay.
+        step = step_shape(cfg, args.dp * non_dp)
+        seq_len, mbs, rows = step.seq_len, step.microbatches, step.rows
         sc.flavor = cfg.model.flavor
         sc.sab = cfg.sab
         sc.dst = dataclasses.replace(cfg.dst, policy=cfg.sparse_attention.policy)

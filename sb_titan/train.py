@@ -13,6 +13,14 @@ import sb_titan  # noqa: F401  (compat shims before torchtitan's trainer is impo
 from sb_titan.config.toml import ConfigError, load_config
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
+HELP_FLAGS = ("-h", "--help")
+USAGE = """usage: sb-train --config_file X.toml [--check-config] [--section.key VALUE ...]
+
+  --config_file X.toml  a train config (train_configs/); CLI overrides win over it
+  --check-config        check the config and exit (run_train.sh does this before spawning)
+
+Overrides use TorchTitan's names; every one is listed below.
+"""
 
 
 def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -41,6 +49,8 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if any(a in HELP_FLAGS for a in argv):
+        print(USAGE)  # tyro then prints every override and exits 0
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:

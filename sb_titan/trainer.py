@@ -41,6 +41,7 @@ from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_registry
 from sb_titan.sab import SABConfig, StepPlan
 from sb_titan.schedule import current_microbatch, microbatch_context
+from sb_titan.step_shape import step_shape
 
 
 @dataclass(kw_only=True, slots=True)
@@ -462,18 +463,8 @@ def _configure_loader(config: SBTrainer.Config, loader_cost_model: CostModel | N
     loader = config.dataloader
     if not hasattr(loader, "microbatches_per_step"):
         return
-    p = config.parallelism
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    dp = world // (
-        p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
-    )
-    local_bs = config.training.local_batch_size
-    global_bs = config.training.global_batch_size
-    grad_accum = 1 if global_bs < 0 else global_bs // (local_bs * dp)
-    pp_mbs = (
-        local_bs // p.pipeline_parallel_microbatch_size if p.pipeline_parallel_degree > 1 else 1
-    )
-    loader.microbatches_per_step = grad_accum * pp_mbs
+    shape = step_shape(config, int(os.environ.get("WORLD_SIZE", "1")))
+    loader.microbatches_per_step = shape.microbatches
     loader.sab = config.sab
     if loader_cost_model is not None:
         beta0, policy = config.dst.beta0, config.dst.policy

@@ -109,3 +109,31 @@ def test_run_train_sh_rejects_bad_config_before_launch(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
     assert "config file not found" in proc.stderr
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
+    """steps <= 0 spawned every rank, trained nothing and exited 0."""
+    proc = subprocess.run(
+        ["./run_train.sh", "--training.steps", steps, "--dump_folder", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=cpu_env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"'training.steps' = {steps}, expected >= 1" in proc.stderr
+    assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.train"]])
+def test_help_prints_usage_and_exits_0(launcher):
+    """--help printed the help, then a config error, and exited 2."""
+    proc = subprocess.run(
+        [*launcher, "--help"], cwd=REPO, capture_output=True, text=True, timeout=180, env=cpu_env()
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: sb-train --config_file" in proc.stdout
+    assert "--training.steps" in proc.stdout
+    assert "error" not in proc.stderr

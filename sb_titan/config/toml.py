@@ -40,7 +40,20 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
         config.rebuild_model_spec()
     except ValueError as e:
         raise ConfigError(f"{path or '<defaults>'}: {e}") from None
+    check_run_length(config, path)
     return config
+
+
+def check_run_length(config, path: str | Path | None) -> None:
+    """A run that would train nothing is a mistake, not a success (exit 0 after spawning
+    every rank would hide it); only a seed checkpoint run trains no step."""
+    if config.checkpoint.create_seed_checkpoint:
+        return
+    if config.training.steps < 1:
+        raise ConfigError(
+            f"{path or '<defaults>'}: 'training.steps' = {config.training.steps}, expected "
+            ">= 1 (steps to train)"
+        )
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -202,6 +215,8 @@ def _apply_cli(config, cli_args: list[str], path):
     try:
         return tyro.cli(type(config), args=cli_args, default=config, registry=custom_registry)
     except SystemExit as e:
+        if e.code in (0, None):  # --help: tyro printed it; not an error
+            raise
         raise ConfigError(
             f"{path or '<defaults>'}: invalid command-line override(s) {cli_args} (see above)"
         ) from e

@@ -1,0 +1,56 @@
+"""How a training config cuts one step: the one rule the trainer, sb-plan and
+sb-simulate share, so a tool never plans a different step than the trainer runs.
+
+TorchTitan's trainer (0.3.0, `Trainer.__init__`) takes `grad_accum = global_batch_size //
+(local_batch_size · dp)` loader batches per step (one when global_batch_size < 0), and
+under pipeline parallelism splits each into `local_batch_size // microbatch_size`
+micro-batches; the loader then yields one micro-batch per item.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    dp: int
+    """Data-parallel ranks (world size over the pipeline, tensor and context degrees)."""
+    microbatches: int
+    """Micro-batches per DP rank and step: gradient accumulation x pipeline micro-batches."""
+    rows: int
+    """Rows of `seq_len` tokens per micro-batch."""
+    seq_len: int
+
+
+def step_shape(config: Any, world_size: int) -> StepShape:
+    """The step the trainer runs for `config` (an SBTrainer.Config) on `world_size` ranks.
+
+    Raises ValueError naming the keys when the sizes do not divide, as TorchTitan would
+    (it asserts later, inside every rank)."""
+    p, t = config.parallelism, config.training
+    non_dp = p.pipeline_parallel_degree * p.tensor_parallel_degree * p.context_parallel_degree
+    if world_size < 1 or world_size % non_dp:
+        raise ValueError(
+            f"world size {world_size} is not a multiple of pipeline x tensor x context "
+            f"parallel degrees ({non_dp})"
+        )
+    dp = world_size // non_dp
+    per_step = t.local_batch_size * dp
+    global_bs = per_step if t.global_batch_size < 0 else t.global_batch_size
+    if global_bs < per_step or global_bs % per_step:
+        raise ValueError(
+            f"training.global_batch_size ({global_bs}) must be a positive multiple of "
+            f"training.local_batch_size x data-parallel ranks ({t.local_batch_size} x {dp})"
+        )
+    grad_accum = global_bs // per_step
+    if p.pipeline_parallel_degree > 1:
+        rows = p.pipeline_parallel_microbatch_size
+        if rows < 1 or t.local_batch_size % rows:
+            raise ValueError(
+                f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
+                f"parallelism.pipeline_parallel_microbatch_size ({rows})"
+            )
+        return StepShape(dp, grad_accum * (t.local_batch_size // rows), rows, t.seq_len)
+    return StepShape(dp, grad_accum, t.local_batch_size, t.seq_len)
