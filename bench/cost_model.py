@@ -17,7 +17,7 @@ other users' processes inflate wall time far more than CPU time (which still mov
 cache and memory contention). Wall-clock errors are reported next to it.
 
     python bench/cost_model.py                # profile (~2 min), then 60 micro-batches
-    python bench/cost_model.py --profile profiles/debug_cpu.json
+    python bench/cost_model.py --profile profiles/e2e_cpu.json
     python bench/cost_model.py --quick        # smoke run: 1024-token rows, 12 batches
 """
 

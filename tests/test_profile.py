@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
-from conftest import DEBUG_TOML
+from conftest import DEBUG_TOML, REPO
 
 from sb_titan import profile as sbp
 from sb_titan.config.toml import load_config
@@ -155,3 +155,26 @@ def test_table_is_read_at_nominal_density_and_linear_fit():
     assert sbp.fit_linear([100, 200], [1.0, 3.0])[0] == 0.0  # negative intercept clamped
     assert sbp.default_lengths(2048, 64) == (16, 64, 128, 256, 512, 1024, 2048)
     assert sbp.default_lengths(3000, 128) == (15, 125, 250, 500, 1000, 1500, 3000)
+
+
+# What a profile's fingerprint says about the machine, not about the config it describes.
+_ENVIRONMENT_KEYS = {"device_type", "device_name", "torch", "triton", "cpu_threads"}
+
+
+@pytest.mark.parametrize(
+    "profile", sorted((REPO / "profiles").glob("*.json")), ids=lambda p: p.name
+)
+def test_every_shipped_profile_matches_the_config_it_is_named_for(profile):
+    """profiles/NAME.json describes train_configs/NAME.toml: debug_cpu.json had been
+    measured from e2e_cpu.toml (row length, dense layers) and mispredicted by 76%."""
+    config_path = REPO / "train_configs" / f"{profile.stem}.toml"
+    assert config_path.is_file(), f"{profile} has no train_configs/{profile.stem}.toml"
+    config = load_config(config_path)
+    have = json.loads(profile.read_text())["fingerprint"]
+    expected = sbp.current_fingerprint(config, device="cpu")
+    diffs = {
+        k: (have.get(k), v)
+        for k, v in expected.items()
+        if k not in _ENVIRONMENT_KEYS and have.get(k) != v
+    }
+    assert not diffs, f"{profile}: (profile, config) differ: {diffs}"
