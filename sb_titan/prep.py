@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from sb_titan.data.tokenizer import BOS, EOS, TOKENIZER_DIR, load_tokenizer
 FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 BATCH_DOCS = 256  # documents tokenized per encode_batch call
 SHOW_MALFORMED = 20  # locations printed; the full list goes to DIR/malformed.txt
+MAX_MALFORMED = 0.01  # default share of a file's records that may be skipped
+EARLY_CHECK_RECORDS = 1000  # a file this far in is judged without reading the rest
 
 
 class PrepError(Exception):
@@ -81,7 +84,8 @@ def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
                 yield Record(where, None, f"bad JSON ({e.msg})", len(raw))
                 continue
             if not isinstance(obj, dict) or text_field not in obj:
-                yield Record(where, None, f"no field '{text_field}'", len(raw))
+                has = f" (fields: {', '.join(sorted(obj)[:8])})" if isinstance(obj, dict) else ""
+                yield Record(where, None, f"no field '{text_field}'{has}", len(raw))
                 continue
             yield _checked(where, obj[text_field], len(raw), text_field)
 
@@ -168,8 +172,13 @@ def prep(
     eos: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    max_malformed: float = MAX_MALFORMED,
 ) -> PrepReport:
-    """Tokenize `inputs` into the dataset directory `out`."""
+    """Tokenize `inputs` into the dataset directory `out`.
+
+    More than `max_malformed` of a JSONL/Parquet file's records (or of all records)
+    malformed means the input is not what the flags say (a wrong --text-field, another
+    format): that stops the run instead of writing a dataset of the few that parsed."""
     files = _check_inputs(inputs)
     if (out / META).exists() and not overwrite:
         raise PrepError(f"{out}: already holds a dataset (pass --overwrite to replace it)")
@@ -191,17 +200,24 @@ def prep(
                 continue
             first, bad = report.samples, len(report.malformed)
             batch: list[str] = []
+            seen = 0
             for rec in records(path, text_field):
                 bar.update(rec.nbytes)
+                seen += 1
                 if rec.problem is not None:
                     if strict:
                         raise PrepError(f"{rec.where}: {rec.problem}")
                     report.malformed.append(f"{rec.where}: {rec.problem}")
+                    n_bad = len(report.malformed) - bad
+                    if seen >= EARLY_CHECK_RECORDS and n_bad > max_malformed * seen:
+                        _check_share(path, report.malformed[bad:], seen, max_malformed)
                     continue
                 batch.append(rec.text)
                 if len(batch) == BATCH_DOCS:
                     _write(writer, tok, batch, bos, end, report)
             _write(writer, tok, batch, bos, end, report)
+            if FORMATS[path.suffix.lower()] != "txt":  # a .txt file is one record
+                _check_share(path, report.malformed[bad:], seen, max_malformed)
             report.sources.append(
                 {
                     "path": str(path),
@@ -213,6 +229,8 @@ def prep(
             )
         if report.samples == 0:
             raise PrepError("no documents: every input record was malformed or skipped")
+        total = report.samples + len(report.malformed)
+        _check_share(Path("all inputs"), report.malformed, total, max_malformed)
         writer.close(_meta(tokenizer_path, text_field, eos, report))
     except BaseException:
         writer.abort()
@@ -222,6 +240,21 @@ def prep(
     if report.malformed:
         (out / "malformed.txt").write_text("\n".join(report.malformed) + "\n")
     return report
+
+
+def _check_share(where: Path, malformed: list[str], records: int, max_share: float) -> None:
+    """Stop when more than `max_share` of `records` were malformed, naming the most
+    common reason (e.g. a --text-field the records do not have)."""
+    if not malformed or len(malformed) <= max_share * records:
+        return
+    reasons = Counter(line.split(": ", 1)[1] for line in malformed)
+    reason, count = reasons.most_common(1)[0]
+    raise PrepError(
+        f"{where}: {len(malformed)} of {records} records malformed "
+        f"({len(malformed) / records:.0%} > --max-malformed {max_share:g}); most common: "
+        f"{reason} ({count}x). Check --text-field and the input format, or raise "
+        "--max-malformed to keep the rest"
+    )
 
 
 def _check_inputs(inputs: list[Path]) -> list[Path]:
@@ -285,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="fail on the first malformed record")
     ap.add_argument("--eos", action="store_true", help="also append EOS to every document")
     ap.add_argument("--overwrite", action="store_true", help="replace a dataset in --out")
+    ap.add_argument(
+        "--max-malformed",
+        type=float,
+        default=MAX_MALFORMED,
+        metavar="SHARE",
+        help=f"largest share of a file's records that may be skipped (default {MAX_MALFORMED})",
+    )
     ap.add_argument("--quiet", action="store_true", help="no progress output")
     args = ap.parse_args(argv)
     try:
@@ -297,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             eos=args.eos,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            max_malformed=args.max_malformed,
         )
     except (PrepError, FileNotFoundError) as e:
         print(f"sb-prep: error: {e}", file=sys.stderr)

@@ -109,7 +109,8 @@ def test_malformed_records_counted_with_file_and_line(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     out = tmp_path / "ds"
-    assert main(["--input", str(bad), str(empty), "--out", str(out), "--quiet"]) == 0
+    argv = ["--input", str(bad), str(empty), "--out", str(out), "--quiet"]
+    assert main([*argv, "--max-malformed", "1"]) == 0
     err = capsys.readouterr().err
     for line, reason in [
         (2, "bad JSON"),
@@ -182,3 +183,37 @@ def test_inconsistent_files_are_clear_errors(dataset):
     (dataset / "meta.json").unlink()
     with pytest.raises(DatasetError, match=r"meta\.json: missing"):
         IndexedDataset(dataset)
+
+
+def test_a_wrong_text_field_stops_instead_of_writing_what_parsed(tmp_path, capsys):
+    """302 of 303 records lacking --text-field wrote '1 documents' and exited 0."""
+    data = tmp_path / "data.jsonl"
+    rows = [{"text": f"document {i}", "id": i} for i in range(302)] + [{"content": "one"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ds"
+    argv = ["--input", str(data), "--out", str(out), "--quiet", "--text-field", "content"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{data}: 302 of 303 records malformed" in err
+    assert "no field 'content' (fields: id, text) (302x)" in err
+    assert not (out / "meta.json").exists()
+    # A few bad records in a large file stay a report, not an error.
+    assert main(["--input", str(data), "--out", str(out), "--quiet"]) == 0
+    assert "1 malformed records skipped" in capsys.readouterr().out
+
+
+def test_malformed_share_is_judged_early_in_a_long_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(prep_module, "EARLY_CHECK_RECORDS", 50)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"body": "x"}) + "\n" for _ in range(5000)))
+    seen = []
+    real = prep_module.records
+
+    def counting(path, field):
+        for rec in real(path, field):
+            seen.append(rec)
+            yield rec
+
+    monkeypatch.setattr(prep_module, "records", counting)
+    assert main(["--input", str(data), "--out", str(tmp_path / "ds"), "--quiet"]) == 1
+    assert len(seen) == 50 and "50 of 50 records malformed" in capsys.readouterr().err
