@@ -25,8 +25,10 @@ for arg in "$@"; do
   esac
 done
 
-# Fail fast, once, with a clear message on a bad config (before spawning ranks).
-.venv/bin/python -m sb_titan.train --check-config --config_file "$CONFIG_FILE" "$@"
+# Fail fast, once, with one clear line on a bad config, profile or dataset (before
+# spawning ranks; sb_titan/preflight.py).
+WORLD_SIZE=$((NGPU * NNODES)) \
+  .venv/bin/python -m sb_titan.train --check-config --config_file "$CONFIG_FILE" "$@"
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"

@@ -42,9 +42,16 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def parse(argv: list[str]):
+def parse(argv: list[str], check: bool = False):
+    """The run's config; with `check`, also everything the launch can verify before
+    spawning ranks (sb_titan.preflight)."""
     path, overrides = split_config_file(argv)
-    return load_config(path, overrides)
+    config = load_config(path, overrides)
+    if check:
+        from sb_titan.preflight import preflight
+
+        preflight(config, path)
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
     try:
-        config = parse(argv)
+        config = parse(argv, check=check_only)
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"sb_titan: config error: {e}", file=sys.stderr)

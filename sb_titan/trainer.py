@@ -36,6 +36,7 @@ from sb_titan.cost_model import (
     analytic_stage_spec,
     build_cost_model,
 )
+from sb_titan.data.source import check_vocabulary
 from sb_titan.dst import DSTConfig, DSTDecision, sensitive_recall, tune_budgets
 from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_registry
@@ -77,9 +78,12 @@ class SBTrainer(Trainer):
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
-        self.cost_model = _cost_model(config)
+        self.cost_model = build_run_cost_model(config)
         _configure_loader(config, copy.deepcopy(self.cost_model))
         super().__init__(config)
+        check_vocabulary(  # also run before spawning; here for launches without run_train.sh
+            self.dataloader.source, config.model_spec.model.vocab_size, config.model.flavor
+        )
         self._clock = BlockClock(self.device)
         instrument_blocks(self.model_parts, self._clock)
         if config.sparse_attention.record:
@@ -429,7 +433,7 @@ class _StepMeasurements:
         return out
 
 
-def _cost_model(config: SBTrainer.Config) -> CostModel | None:
+def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     """The run's latency predictor; needed by DST and by the `sab` packing policy."""
     dims = FLAVORS[config.model.flavor]
     layers = len(config.model_spec.model.layers) // config.parallelism.pipeline_parallel_degree

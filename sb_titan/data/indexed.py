@@ -3,7 +3,7 @@
 A dataset is a directory of three files:
   tokens.bin   every sample's tokens back to back, raw little-endian uint32 or int32
   index.npy    int64 [n, 3]: offset (in tokens), length, sample id (0..n-1, in order)
-  meta.json    format version, dtype, counts, tokenizer and source files
+  meta.json    format version, dtype, counts, the largest token id, tokenizer and sources
 
 Planning needs only the lengths (read once into memory); tokens are memory-mapped, so
 each rank pages in only the samples it packs.
@@ -22,6 +22,7 @@ FORMAT = "sb_titan-indexed"
 VERSION = 1
 DTYPES = ("uint32", "int32")
 TOKENS, INDEX, META = "tokens.bin", "index.npy", "meta.json"
+SCAN_CHUNK_TOKENS = 1 << 26  # 256 MiB of uint32 per step of a max-id scan
 
 
 class DatasetError(ValueError):
@@ -61,7 +62,23 @@ class IndexedDataset:
                 f"{sample_id} of {n} tokens"
             )
         at = int(self._offsets[sample_id]) + start
-        return self._tokens[at : at + length].astype(np.int64)
+        tokens = self._tokens[at : at + length].astype(np.int64)
+        top = self.meta.get("max_token_id")
+        if top is not None and length and int(tokens.max()) > top:
+            raise DatasetError(
+                f"{self.path / META}: sample {sample_id} holds token id {int(tokens.max())}, "
+                f"above its max_token_id {top} (edited, or tokens.bin from another dataset?)"
+            )
+        return tokens
+
+    def max_token_id(self) -> int:
+        """From meta.json; datasets written before it was recorded are scanned once."""
+        if "max_token_id" in self.meta:
+            return self.meta["max_token_id"]
+        top = -1
+        for at in range(0, len(self._tokens), SCAN_CHUNK_TOKENS):
+            top = max(top, int(self._tokens[at : at + SCAN_CHUNK_TOKENS].max()))
+        return top
 
 
 def _read_meta(file: Path) -> dict[str, Any]:
@@ -83,6 +100,9 @@ def _read_meta(file: Path) -> dict[str, Any]:
     for key in ("num_samples", "num_tokens"):
         if not isinstance(meta[key], int) or meta[key] < 0:
             raise DatasetError(f"{file}: '{key}' must be a non-negative integer")
+    top = meta.get("max_token_id", -1)
+    if not isinstance(top, int) or isinstance(top, bool) or top < -1:
+        raise DatasetError(f"{file}: 'max_token_id' must be an integer >= -1 (-1: no tokens)")
     return meta
 
 
@@ -157,6 +177,7 @@ class IndexedWriter:
         self._file = self._tmp.open("wb")
         self._lengths: list[int] = []
         self.num_tokens = 0
+        self.max_token_id = -1  # -1: no tokens
 
     def add(self, tokens: np.ndarray | list[int]) -> int:
         """Write one sample; returns its id."""
@@ -164,6 +185,8 @@ class IndexedWriter:
         if len(arr) and (arr.min() < self._limits[0] or arr.max() > self._limits[1]):
             raise ValueError(f"IndexedWriter: token ids outside the {self.dtype.name} range")
         self._file.write(arr.astype(self.dtype).tobytes())
+        if len(arr):
+            self.max_token_id = max(self.max_token_id, int(arr.max()))
         self._lengths.append(len(arr))
         self.num_tokens += len(arr)
         return len(self._lengths) - 1
@@ -181,6 +204,7 @@ class IndexedWriter:
             "dtype": self.dtype.name,
             "num_samples": len(lengths),
             "num_tokens": self.num_tokens,
+            "max_token_id": self.max_token_id,
             **meta,
         }
         (self.out_dir / (META + ".tmp")).write_text(json.dumps(full, indent=2) + "\n")

@@ -49,6 +49,9 @@ class SyntheticCorpus:
     def lengths(self) -> np.ndarray:
         return self._lengths
 
+    def max_token_id(self) -> int:
+        return self.tokenizer.get_vocab_size() - 1
+
     @cached_property
     def _word_ids(self) -> list[np.ndarray]:
         return [np.array(self._encode(" " + w)) for w in WORDS]

@@ -1,0 +1,36 @@
+"""Checks that run once, before any rank spawns (`sb-train --check-config`, which
+run_train.sh calls first): a problem here is one line and exit status 2, not the same
+traceback from every rank 15-35 s into the job.
+
+What can be known from files and metadata alone is checked here: the config, the
+latency profile (present, parseable, matching), the step shape for the launch's world
+size, the dataset's files and their consistency, and that its token ids fit the model's
+vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from sb_titan.config.toml import ConfigError
+from sb_titan.data.source import check_vocabulary
+
+
+def preflight(config: Any, path: str | Path | None) -> None:
+    """Raise ConfigError, naming the config file, on the first problem found."""
+    from sb_titan.data.loader import build_source
+    from sb_titan.step_shape import step_shape
+    from sb_titan.trainer import build_run_cost_model
+
+    where = str(path or "<defaults>")
+    try:
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None:
+            step_shape(config, int(world))
+        build_run_cost_model(config)
+        source = build_source(config.dataloader, config.training.seq_len)
+        check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+    except ValueError as e:  # ProfileError, DatasetError, VocabularyError included
+        raise ConfigError(f"{where}: {e}") from None
