@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.plan_cli import TIMING_REPEATS, Shape, evaluate, print_table
+from sb_titan.plan_cli import TIMING_REPEATS, evaluate, print_table
 from sb_titan.sab import POLICIES, AnalyticCost, Planner, SABConfig
+from sb_titan.step_shape import StepShape
 
 R = 65536
-SHAPE = Shape(seq_len=R, dp=8, microbatches=8, rows=1)
+SHAPE = StepShape(seq_len=R, dp=8, microbatches=8, rows=1)
 STEPS = 50
 SEED = 0
 DOCS = 50_000  # about 650 documents per step: one epoch covers all 50 steps

@@ -14,28 +14,20 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.sab import POLICIES, AnalyticCost, Planner, SABConfig, plan_stats, summarize
+from sb_titan.step_shape import StepShape, step_shape
 
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
 
 
-@dataclass(frozen=True, slots=True)
-class Shape:
-    seq_len: int
-    dp: int
-    microbatches: int
-    rows: int
-
-
 def evaluate(
     lengths: np.ndarray,
-    shape: Shape,
+    shape: StepShape,
     sab: SABConfig,
     steps: int,
     attention_share: float = 0.6,
@@ -81,20 +73,19 @@ def load_lengths(data: str, seq_len: int, docs: int, seed: int) -> tuple[np.ndar
     return ds.lengths, ds.name
 
 
-def shape_from_config(path: Path, world_size: int) -> tuple[Shape, SABConfig, dict]:
+def shape_from_config(path: Path, world_size: int) -> tuple[StepShape, SABConfig, dict]:
     """The shape the trainer would give the loader, from a TOML train config."""
     from sb_titan.config.toml import load_config
-    from sb_titan.step_shape import step_shape
 
     config = load_config(path)
-    step = step_shape(config, world_size)
-    shape = Shape(seq_len=step.seq_len, dp=step.dp, microbatches=step.microbatches, rows=step.rows)
+    shape = step_shape(config, world_size)
     loader = config.dataloader
     synthetic = {"docs": loader.synthetic_docs, "seed": loader.synthetic_seed}
     return shape, config.sab, synthetic
 
 
-def print_table(rows: dict[str, dict[str, float]], file=sys.stdout) -> None:
+def print_table(rows: dict[str, dict[str, float]], file=None) -> None:
+    file = file or sys.stdout  # looked up per call: a default would bind the stdout of import time
     head = f"{'policy':<12}{'rank max/mean':>14}{'mb max/mean':>13}{'mb bound':>10}"
     head += f"{'padding':>9}{'samples/s':>11}"
     print(head, file=file)
@@ -131,14 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
-    shape, sab, synthetic = Shape(65536, 8, 8, 1), SABConfig(), {"docs": 20000, "seed": 0}
+    shape, sab, synthetic = StepShape(65536, 8, 8, 1), SABConfig(), {"docs": 20000, "seed": 0}
     if args.config is not None:
         try:
             shape, sab, synthetic = shape_from_config(args.config, args.world_size)
         except ValueError as e:  # ConfigError included: one line naming the file and key
             print(f"sb-plan: error: {e}", file=sys.stderr)
             return 2
-    shape = Shape(
+    shape = StepShape(
         seq_len=args.seq_len or shape.seq_len,
         dp=args.dp or shape.dp,
         microbatches=args.microbatches or shape.microbatches,
@@ -175,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         payload = {
             "data": source,
-            "shape": {f: getattr(shape, f) for f in Shape.__dataclass_fields__},
+            "shape": {f: getattr(shape, f) for f in StepShape.__dataclass_fields__},
             "steps": args.steps,
             "attention_share": args.attention_share,
             "policies": results,

@@ -15,13 +15,13 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
+    seq_len: int
     dp: int
     """Data-parallel ranks (world size over the pipeline, tensor and context degrees)."""
     microbatches: int
     """Micro-batches per DP rank and step: gradient accumulation x pipeline micro-batches."""
     rows: int
     """Rows of `seq_len` tokens per micro-batch."""
-    seq_len: int
 
 
 def step_shape(config: Any, world_size: int) -> StepShape:
@@ -52,5 +52,5 @@ def step_shape(config: Any, world_size: int) -> StepShape:
                 f"training.local_batch_size ({t.local_batch_size}) must be a multiple of "
                 f"parallelism.pipeline_parallel_microbatch_size ({rows})"
             )
-        return StepShape(dp, grad_accum * (t.local_batch_size // rows), rows, t.seq_len)
-    return StepShape(dp, grad_accum, t.local_batch_size, t.seq_len)
+        return StepShape(t.seq_len, dp, grad_accum * (t.local_batch_size // rows), rows)
+    return StepShape(t.seq_len, dp, grad_accum, t.local_batch_size)

@@ -18,20 +18,20 @@ DEBUG = REPO / "train_configs" / "debug_cpu.toml"
     "overrides, world, expected",
     [
         # TorchTitan: grad_accum = global // (local x dp); under PP, local // mb_size more.
-        ([], 2, StepShape(dp=2, microbatches=1, rows=2, seq_len=1024)),
-        (["--training.global_batch_size", "12"], 2, StepShape(2, 3, 2, 1024)),
+        ([], 2, StepShape(seq_len=1024, dp=2, microbatches=1, rows=2)),
+        (["--training.global_batch_size", "12"], 2, StepShape(1024, 2, 3, 2)),
         (
             ["--parallelism.pipeline_parallel_degree", "2"]
             + ["--parallelism.pipeline_parallel_microbatch_size", "1"],
             4,
-            StepShape(2, 2, 1, 1024),
+            StepShape(1024, 2, 2, 1),
         ),
         (
             ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
             + ["--parallelism.pipeline_parallel_microbatch_size", "2"]
             + ["--training.global_batch_size", "16"],
             4,
-            StepShape(2, 4, 2, 1024),
+            StepShape(1024, 2, 4, 2),
         ),
     ],
 )
