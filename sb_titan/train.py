@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     try:
         config = parse(argv)
     except ConfigError as e:
