@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sb_titan.models.qwen2_5 import ROPE_THETA, Qwen25Dims
+from sb_titan.models.qwen2_5 import Qwen25Dims
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,9 +37,9 @@ def hf_config(dims: Qwen25Dims, dtype: str, bos_id: int | None, eos_id: int | No
         "head_dim": dims.head_dim,
         "vocab_size": dims.vocab_size,
         "max_position_embeddings": dims.max_seq_len,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": ROPE_THETA,
-        "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "rms_norm_eps": dims.norm_eps,
+        "rope_theta": dims.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
         "hidden_act": "silu",
         "tie_word_embeddings": dims.tie_embeddings,
         "attention_dropout": 0.0,

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> None:
         print(USAGE)  # tyro then prints every override and exits 0
     check_only = "--check-config" in argv
     argv = [a for a in argv if a != "--check-config"]
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     try:
         config = parse(argv, check=check_only)
     except ConfigError as e:

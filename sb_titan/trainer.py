@@ -39,7 +39,7 @@ from sb_titan.cost_model import (
 from sb_titan.data.source import check_vocabulary
 from sb_titan.dst import DSTConfig, DSTDecision, sensitive_recall, tune_budgets
 from sb_titan.measure import BlockClock, instrument_blocks
-from sb_titan.models.qwen2_5 import FLAVORS, model_registry
+from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
 from sb_titan.sab import SABConfig, StepPlan
 from sb_titan.schedule import current_microbatch, microbatch_context
 from sb_titan.step_shape import step_shape
@@ -53,6 +53,19 @@ class ModelConfig:
     """One of sb_titan.models.qwen2_5.FLAVORS."""
     tie_embeddings: bool | None = None
     """Override the flavor's tying (pipeline parallelism needs untied)."""
+    rope_theta: float | None = None
+    """Override the flavor's RoPE base (None: the flavor's, or an HF initial load's)."""
+    norm_eps: float | None = None
+    """Override the flavor's RMSNorm epsilon (None: the flavor's, or an HF initial load's)."""
+    max_seq_len: int | None = None
+    """Override the RoPE length (None: the flavor's, or an HF initial load's); at least
+    training.seq_len. Exported as max_position_embeddings."""
+
+    def __post_init__(self) -> None:
+        for name in ("rope_theta", "norm_eps", "max_seq_len"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} = {value!r}: expected a positive number")
 
 
 class SBTrainer(Trainer):
@@ -66,11 +79,10 @@ class SBTrainer(Trainer):
 
         def rebuild_model_spec(self) -> None:
             """model_spec is hidden from the CLI; it is always derived from [model] and
-            [sparse_attention], so TOML and CLI overrides of those take effect."""
+            [sparse_attention], so TOML and CLI overrides of those take effect. An HF
+            initial load's config.json is checked here too (model_dims), before ranks spawn."""
             self.model_spec = model_registry(
-                self.model.flavor,
-                attention=self.sparse_attention,
-                tie_embeddings=self.model.tie_embeddings,
+                self.model.flavor, attention=self.sparse_attention, dims=model_dims(self)
             )
             self.dst.policy = self.sparse_attention.policy
 

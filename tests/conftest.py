@@ -78,12 +78,13 @@ def sample_log(dump: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def tiny_hf_qwen2(path: Path, tied: bool):
-    """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`."""
+def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
+    """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`;
+    `overrides` are Qwen2Config arguments (e.g. rope_theta, or the debug flavor's dims)."""
     import torch
     import transformers
 
-    config = transformers.Qwen2Config(
+    kwargs = dict(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -95,6 +96,7 @@ def tiny_hf_qwen2(path: Path, tied: bool):
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
     )
+    config = transformers.Qwen2Config(**{**kwargs, **overrides})
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).eval()
     with torch.no_grad():  # non-zero biases, so a dropped bias would show

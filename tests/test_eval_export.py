@@ -91,3 +91,50 @@ def test_dcp_checkpoint_export_matches_transformers(tmp_path):
     assert (_ours_logits(dense.model, tokens) - ref).abs().max().item() <= 1e-4
     sparse = _ours_logits(trained.model, tokens, budget=0.3)  # the config's sparse layers
     assert (sparse - ref).abs().max().item() > 1e-4
+
+
+def test_export_keeps_rope_theta_norm_eps_and_max_positions(tmp_path):
+    """HF (theta 12345, eps 1e-5, 777 positions) -> ours -> export: config.json says so
+    (v4 and v5 forms) and transformers reproduces the original's logits."""
+    hf = tiny_hf_qwen2(
+        tmp_path / "hf", False, rope_theta=12345.0, rms_norm_eps=1e-5, max_position_embeddings=777
+    )
+    loaded = load_from_hf(tmp_path / "hf")
+    out = tmp_path / "export"
+    export_model(loaded.model, loaded.dims, out)
+    (out / "config.json").write_text(json.dumps(hf_config(loaded.dims, "float32", None, None)))
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 12345.0
+    assert written["rms_norm_eps"] == 1e-5 and written["max_position_embeddings"] == 777
+    again = load_from_hf(out)
+    assert again.dims == loaded.dims
+    reloaded = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
+    assert reloaded.config.rope_parameters["rope_theta"] == 12345.0
+    tokens = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (reloaded(tokens).logits - hf(tokens).logits).abs().max().item() == 0.0
+
+
+def test_export_of_a_toml_model_writes_its_model_section(tmp_path):
+    """[model] rope_theta / norm_eps / max_seq_len reach sb-export's config.json."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        DEBUG_TOML.read_text().replace(
+            "[model]\n", "[model]\nrope_theta = 50000.0\nnorm_eps = 1e-5\nmax_seq_len = 2048\n"
+        )
+    )
+    loaded = load_from_config(None, toml)
+    assert (loaded.dims.rope_theta, loaded.dims.norm_eps, loaded.dims.max_seq_len) == (
+        50000.0,
+        1e-5,
+        2048,
+    )
+    step = tmp_path / "dump" / "checkpoint" / "step-1"
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(loaded.model.state_dict(), checkpoint_id=str(step))
+    out = tmp_path / "hf"
+    export_main(["--checkpoint", str(step), "--config", str(toml), "--out", str(out)])
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_theta"] == written["rope_parameters"]["rope_theta"] == 50000.0
+    assert written["rms_norm_eps"] == 1e-5 and written["max_position_embeddings"] == 2048

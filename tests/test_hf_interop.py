@@ -112,3 +112,76 @@ def test_published_flavor_dimensions():
     attn = spec.model.layers[0].attention
     assert attn.qkv_linear.wq.bias and attn.qk_norm is None
     assert attn.rope.theta == 1e6 and spec.model.norm.eps == 1e-6
+
+
+def test_checkpoint_rope_theta_and_norm_eps_are_kept(tmp_path):
+    """A Qwen2 with its own theta / eps loads with them (was: always 1e6 / 1e-6)."""
+    from sb_titan.eval.checkpoint import load_from_hf
+
+    hf = tiny_hf_qwen2(tmp_path, tied=False, rope_theta=12345.0, rms_norm_eps=1e-5)
+    loaded = load_from_hf(tmp_path)
+    d = loaded.dims
+    assert (d.rope_theta, d.norm_eps, d.max_seq_len) == (12345.0, 1e-5, 512)
+    tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(96).expand(2, 96)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        got = loaded.model(tokens, positions=positions, attention_masks=_meta(positions))
+    assert (got - ref).abs().max().item() <= 1e-4
+
+
+def test_v4_and_v5_rope_theta_forms(tmp_path):
+    tiny_hf_qwen2(tmp_path, tied=False)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    v4 = {k: v for k, v in hf.items() if k != "rope_parameters"} | {"rope_theta": 5e5}
+    assert dims_from_hf_config(v4).rope_theta == 5e5
+    v5 = hf | {"rope_parameters": {"rope_type": "default", "rope_theta": 7e5}}
+    assert dims_from_hf_config(v5).rope_theta == 7e5
+    assert dims_from_hf_config(v5 | {"rope_theta": 7e5}).rope_theta == 7e5
+    # Neither: transformers' Qwen2Config default.
+    assert dims_from_hf_config({k: v for k, v in v4.items() if k != "rope_theta"}).rope_theta == 1e4
+    with pytest.raises(ValueError, match=r"cfg\.json: rope_theta = 500000.0 but rope_parameters"):
+        dims_from_hf_config(v5 | {"rope_theta": 5e5}, "cfg.json")
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope_scaling.rope_type = 'yarn'"),
+        ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_scaling.rope_type = 'linear'"),
+        (
+            "rope_parameters",
+            {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0},
+            "rope_parameters.rope_type = 'yarn'",
+        ),
+        ("use_sliding_window", True, "use_sliding_window = True"),
+        ("layer_types", ["full_attention", "sliding_attention"], "layer_types = "),
+        ("dual_chunk_attention_config", {"chunk_size": 8192}, "dual_chunk_attention_config = "),
+        ("hidden_act", "gelu", "hidden_act = 'gelu'"),
+        ("model_type", "llama", "model_type = 'llama'"),
+        ("attention_bias", False, "attention_bias = False"),
+    ],
+)
+def test_unrepresentable_configs_are_refused(tmp_path, key, value, named):
+    from sb_titan.eval.checkpoint import load_from_hf
+
+    tiny_hf_qwen2(tmp_path, tied=False)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {key: value}))
+    with pytest.raises(ValueError) as err:
+        load_from_hf(tmp_path)
+    assert str(err.value).startswith(f"{path}: {named}"), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_plain_rope_and_disabled_sliding_window_are_accepted(tmp_path):
+    tiny_hf_qwen2(tmp_path, tied=False)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    ok = hf | {
+        "rope_scaling": {"rope_type": "default"},
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "dual_chunk_attention_config": None,
+    }
+    assert dims_from_hf_config(ok).rope_theta == 1e6
+    assert dims_from_hf_config(hf | {"rope_scaling": None}).rope_theta == 1e6

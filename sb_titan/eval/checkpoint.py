@@ -18,7 +18,13 @@ import torch.nn as nn
 
 from sb_titan.attention.module import SparseAttentionConfig
 from sb_titan.data.tokenizer import EOS, TOKENIZER_DIR
-from sb_titan.models.qwen2_5 import Qwen25Dims, dims_from_hf_config, model_registry
+from sb_titan.models.qwen2_5 import (
+    Qwen25Dims,
+    dims_from_hf_config,
+    model_dims,
+    model_registry,
+    read_hf_config,
+)
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -83,11 +89,7 @@ def load_from_config(
     config = load_config(config_path, cli_args)
     attn = _attention(config.sparse_attention, attention)
     flavor = config.model.flavor
-    from sb_titan.models.qwen2_5 import FLAVORS
-
-    dims = FLAVORS[flavor]
-    if config.model.tie_embeddings is not None:
-        dims = dataclasses.replace(dims, tie_embeddings=config.model.tie_embeddings)
+    dims = model_dims(config)  # the trainer's rule: flavor, [model] overrides, HF values
     model = build_model(dims, attn, flavor)
     source = f"{config_path} (random init)"
     if checkpoint is not None:
@@ -104,7 +106,7 @@ def load_from_hf(hf_dir: str | Path, attention: str | None = None) -> LoadedMode
     from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
 
     hf_dir = Path(hf_dir)
-    dims = dims_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    dims = dims_from_hf_config(read_hf_config(hf_dir / "config.json"), str(hf_dir / "config.json"))
     attn = _attention(SparseAttentionConfig(enabled=False), attention)
     model = build_model(dims, attn)
     files = sorted(hf_dir.glob("*.safetensors"))
