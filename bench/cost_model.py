@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sb_titan.balance.cost_model import CostModel, LatencyObservation, Profile
 from sb_titan.config.toml import load_config
-from sb_titan.cost_model import CostModel, LatencyObservation, Profile
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.profile import (
     AttentionInputs,

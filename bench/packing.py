@@ -2,7 +2,7 @@
 
 Setup (fixed, stated in the output): longtail-v1 (shared/REFERENCE_MIX.md) at R = 65536,
 rows of R tokens, DP = 8 ranks x 8 micro-batches x 1 row, 50 steps, seed 0 (the mix
-and the sample order). Cost model (analytic, sb_titan.sab.AnalyticCost): micro-batch
+and the sample order). Cost model (analytic, sb_titan.balance.sab.AnalyticCost): micro-batch
 latency = tokens + a·Σ len² with a = 1.5 / R, i.e. attention is 60% of the cost of a row
 holding one R-token document; densities 1.0 (no observations).
 
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from sb_titan.balance.sab import POLICIES, AnalyticCost, Planner, SABConfig
+from sb_titan.balance.step_shape import StepShape
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.plan_cli import TIMING_REPEATS, evaluate, print_table
-from sb_titan.sab import POLICIES, AnalyticCost, Planner, SABConfig
-from sb_titan.step_shape import StepShape
 
 R = 65536
 SHAPE = StepShape(seq_len=R, dp=8, microbatches=8, rows=1)

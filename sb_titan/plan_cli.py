@@ -4,7 +4,7 @@ Plans --steps steps per policy over a dataset's lengths (an sb-prep directory, o
 synthetic longtail-v1 corpus) for one cluster shape, and prints predicted imbalance
 (max/mean) across DP ranks and across micro-batches, the micro-batch lower bound set by
 the heaviest single piece, the padding share and the planning throughput. Predictions
-use the analytic cost model of sb_titan.sab.AnalyticCost (stated in the output).
+use the analytic cost model of sb_titan.balance.sab.AnalyticCost (stated in the output).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sb_titan.balance.sab import POLICIES, AnalyticCost, Planner, SABConfig, plan_stats, summarize
+from sb_titan.balance.step_shape import StepShape, step_shape
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.sab import POLICIES, AnalyticCost, Planner, SABConfig, plan_stats, summarize
-from sb_titan.step_shape import StepShape, step_shape
 
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
 

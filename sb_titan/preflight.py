@@ -20,8 +20,8 @@ from sb_titan.data.source import check_vocabulary
 
 def preflight(config: Any, path: str | Path | None) -> None:
     """Raise ConfigError, naming the config file, on the first problem found."""
+    from sb_titan.balance.step_shape import step_shape
     from sb_titan.data.loader import build_source
-    from sb_titan.step_shape import step_shape
     from sb_titan.trainer import build_run_cost_model
 
     where = str(path or "<defaults>")

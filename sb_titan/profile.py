@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.module import SBAttention
 from sb_titan.attention.selection import select_blocks
-from sb_titan.cost_model import CostModel, Profile, ProfileError
+from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 
 logger = logging.getLogger(__name__)
 

@@ -27,17 +27,17 @@ from typing import Any
 
 import numpy as np
 
-from sb_titan.cost_model import (
+from sb_titan.balance.cost_model import (
     ANALYTIC_DEVICES,
     CostModel,
     DensityModel,
-    Unit,
     analytic_stage_spec,
 )
+from sb_titan.balance.dst import ANCHORS, DSTConfig
+from sb_titan.balance.sab import Planner, SABConfig, StepPlan
+from sb_titan.balance.units import step_budgets
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.dst import ANCHORS, DSTConfig, DSTDecision, tune_budgets
 from sb_titan.models.qwen2_5 import FLAVORS, Qwen25Dims
-from sb_titan.sab import Planner, SABConfig, StepPlan
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 VARIANTS = ("baseline", "sab", "dst", "sab_dst")
@@ -381,25 +381,6 @@ def make_planner(
     )
 
 
-def step_units(plan: StepPlan, pp: int) -> list[Unit]:
-    """DST's work units: each micro-batch under PP, each DP rank's micro-batches without."""
-    if pp > 1:
-        return [[mb.doc_lens] for rank in plan.microbatches for mb in rank]
-    return [[mb.doc_lens for mb in rank] for rank in plan.microbatches]
-
-
-def step_budgets(
-    plan: StepPlan, cost_model: CostModel, cfg: DSTConfig, pp: int
-) -> tuple[np.ndarray, DSTDecision]:
-    """[dp, microbatches] budgets from dst.tune_budgets (cfg.enabled False: beta0)."""
-    decision = tune_budgets(step_units(plan, pp), cost_model, cfg)
-    budgets = np.asarray(decision.budgets)
-    dp, m = len(plan.microbatches), len(plan.microbatches[0])
-    if pp > 1:
-        return budgets.reshape(dp, m), decision
-    return np.repeat(budgets[:, None], m, axis=1), decision
-
-
 # ----------------------------------------------------------------------------- one step
 
 
@@ -458,7 +439,10 @@ class Simulator:
     def run_step(self, plan: StepPlan, variant: str, keep_timeline: bool = False) -> StepResult:
         """One variant of one step: budget it, time every stage, replay, reduce."""
         c = self.cluster
-        budgets, decision = step_budgets(plan, self.models.planning, self.dst_config(variant), c.pp)
+        budgets, decision = step_budgets(
+            plan, self.models.planning, self.dst_config(variant), c.pp > 1
+        )
+        budgets = np.asarray(budgets)
         total = self.stage_seconds(plan, budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
         tokens = np.array([[mb.num_tokens for mb in rank] for rank in plan.microbatches]).T
@@ -790,8 +774,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
     )
     pp, schedule, seq_len, mbs, rows = 1, "1F1B", 65536, 8, 1
     if args.config:
+        from sb_titan.balance.step_shape import step_shape
         from sb_titan.config.toml import load_config
-        from sb_titan.step_shape import step_shape
 
         cfg = load_config(args.config)
         par = cfg.parallelism

@@ -28,7 +28,7 @@ from torchtitan.trainer import Trainer
 
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
 from sb_titan.attention.module import ATTENTION_OBSERVERS, SBAttention, SparseAttentionConfig
-from sb_titan.cost_model import (
+from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
     CostModelConfig,
@@ -36,13 +36,14 @@ from sb_titan.cost_model import (
     analytic_stage_spec,
     build_cost_model,
 )
+from sb_titan.balance.dst import DSTConfig, DSTDecision, sensitive_recall
+from sb_titan.balance.sab import SABConfig, StepPlan
+from sb_titan.balance.step_shape import step_shape
+from sb_titan.balance.units import step_budgets
 from sb_titan.data.source import check_vocabulary
-from sb_titan.dst import DSTConfig, DSTDecision, sensitive_recall, tune_budgets
 from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
-from sb_titan.sab import SABConfig, StepPlan
 from sb_titan.schedule import current_microbatch, microbatch_context
-from sb_titan.step_shape import step_shape
 
 
 @dataclass(kw_only=True, slots=True)
@@ -126,21 +127,14 @@ class SBTrainer(Trainer):
         """Budget of every (DP rank, micro-batch) of the step: a pure function of the
         shared plan and the (identically refit) cost model, so every rank agrees."""
         cfg = self.config.dst
-        shape = [len(rank) for rank in plan.microbatches]
         if self.cost_model is None:
             self._decision = None
-            return [[cfg.beta0] * n for n in shape]
-        if self.parallel_dims.pp_enabled:  # unit: a micro-batch (on the slowest stage)
-            units = [[mb.doc_lens] for rank in plan.microbatches for mb in rank]
-        else:  # unit: a DP rank's micro-batches (their summed time meets at the reduction)
-            units = [[mb.doc_lens for mb in rank] for rank in plan.microbatches]
-        self._decision = tune_budgets(units, self.cost_model, cfg)
+            return [[cfg.beta0] * len(rank) for rank in plan.microbatches]
+        pipelined = self.parallel_dims.pp_enabled
+        budgets, self._decision = step_budgets(plan, self.cost_model, cfg, pipelined)
         if cfg.verify_ranks:
             _assert_same_everywhere(self._decision.digest(), f"DST budgets of step {plan.step}")
-        flat = iter(self._decision.budgets)
-        if self.parallel_dims.pp_enabled:
-            return [[next(flat) for _ in range(n)] for n in shape]
-        return [[b] * n for b, n in zip(flat, shape, strict=True)]
+        return budgets
 
     def _dp_rank(self) -> int:
         if not self.parallel_dims.dp_enabled:

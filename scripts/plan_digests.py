@@ -43,8 +43,8 @@ def plan_digest(plans) -> str:
 
 
 def packing_digests() -> dict[str, str]:
+    from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
     from sb_titan.data.longtail import longtail_v1
-    from sb_titan.sab import AnalyticCost, Planner, SABConfig
 
     bench = _load_bench("packing")
     lengths = longtail_v1(bench.DOCS, bench.R, bench.SEED)

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from sb_titan.cost_model import (
+from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
     DensityModel,

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from sb_titan.cost_model import AnalyticSpec, CostModel
-from sb_titan.dst import DSTConfig, recalled_tokens, sensitive_recall, tune_budgets
+from sb_titan.balance.cost_model import AnalyticSpec, CostModel
+from sb_titan.balance.dst import DSTConfig, recalled_tokens, sensitive_recall, tune_budgets
 
 # Qwen2.5-0.5B dims on a FLOP-based profile: a known formula, not a measurement.
 SPEC = AnalyticSpec(hidden=896, heads=14, kv_heads=2, head_dim=64, intermediate=4864, layers=24)
@@ -269,7 +269,7 @@ def test_a_learned_recall_model_makes_the_recall_anchor_more_careful():
 def test_trainer_feeds_the_recall_model_from_gathered_measurements():
     """What every rank does after a step: measured (recall sum, tokens) per micro-batch
     → (budget, longest document, sensitive-token recall) → recall_model.update."""
-    from sb_titan.sab import MicroBatchPlan, Piece, StepPlan
+    from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
     from sb_titan.trainer import _StepMeasurements
 
     def mb(*lens):

@@ -12,8 +12,8 @@ import torch
 from conftest import DEBUG_TOML, REPO
 
 from sb_titan import profile as sbp
+from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 from sb_titan.config.toml import load_config
-from sb_titan.cost_model import CostModel, Profile, ProfileError
 
 ROW = ["--training.seq_len", "256"]  # rows of 256 tokens keep every run sub-second
 GRID = ["--lengths", "64", "256", "--densities", "0.5", "1.0", "--repeats", "1", "--warmup", "0"]
@@ -71,12 +71,12 @@ def test_predictions_from_the_profile_are_monotone(profiled):
 
 def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thread, caplog):
     same, other = _config(), _config("--sparse_attention.block_size", "128")
-    with caplog.at_level(logging.WARNING, logger="sb_titan.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model"):
         caplog.clear()
         sbp.load_cost_model(profiled, same)
-        assert not [r for r in caplog.records if r.name == "sb_titan.cost_model"]
+        assert not [r for r in caplog.records if r.name == "sb_titan.balance.cost_model"]
         sbp.load_cost_model(profiled, other)
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sb_titan.cost_model"]
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sb_titan.balance.cost_model"]
     assert "block_size: profile=64 current=128" in warning and str(profiled) in warning
     longer = load_config(DEBUG_TOML, ["--training.seq_len", "512"])
     with pytest.raises(ProfileError, match="row_len: profile=256 current=512"):

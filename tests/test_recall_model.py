@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sb_titan.attention.selection import select_blocks
-from sb_titan.dst import sensitive_recall
-from sb_titan.recall_model import RecallModel
+from sb_titan.balance.cost_model.recall import RecallModel
+from sb_titan.balance.dst import sensitive_recall
 
 
 def brute_uniform_kept(beta, length, block_size=64):

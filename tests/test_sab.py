@@ -10,9 +10,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import sb_titan.sab as sab_module
-from sb_titan.data.longtail import longtail_v1
-from sb_titan.sab import (
+import sb_titan.balance.sab as sab_module
+from sb_titan.balance.sab import (
     POLICIES,
     AnalyticCost,
     MicroBatchPlan,
@@ -24,6 +23,9 @@ from sb_titan.sab import (
     plan_stats,
     summarize,
 )
+from sb_titan.balance.sab.density_store import REWIND_STEPS
+from sb_titan.balance.sab.packing import Packing
+from sb_titan.data.longtail import longtail_v1
 
 SEQ = 256
 
@@ -247,7 +249,7 @@ def test_truncate_and_drop(policy, caplog):
     got = [p for _ in range(6) for p in pieces(trunc.next_step())]
     assert all(n == SEQ and a == 0 for s, a, n in got if s in long_ids)
     drop = make(lengths, policy, dp=1, long_docs="drop", shuffle=False)
-    with caplog.at_level(logging.WARNING, logger="sb_titan.sab"):
+    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.sab"):
         got = [p for _ in range(6) for p in pieces(drop.next_step())]
     assert not any(s in long_ids for s, _, _ in got)
     pulled = drop.epoch_order(0)[: drop.state.cursor] if drop.state.epoch == 0 else None
@@ -303,12 +305,12 @@ def test_swaps_and_exchanges_never_raise_and_often_lower_the_maximum(monkeypatch
     )
     full_mb, full_rank = heaviest(make_planner())
     with monkeypatch.context() as m:
-        m.setattr(sab_module._Packing, "improve", lambda self: None)
+        m.setattr(Packing, "improve", lambda self: None)
         greedy_mb, _ = heaviest(make_planner())
     assert all(s <= g + 1e-9 for s, g in zip(full_mb, greedy_mb, strict=True))
     assert sum(full_mb) < sum(greedy_mb)
     with monkeypatch.context() as m:
-        m.setattr(sab_module._Packing, "_exchange", lambda self, deal: False)
+        m.setattr(Packing, "_exchange", lambda self, deal: False)
         dealt_mb, dealt_rank = heaviest(make_planner())
     assert dealt_mb == full_mb  # dealing never changes a micro-batch
     assert all(s <= g + 1e-9 for s, g in zip(full_rank, dealt_rank, strict=True))
@@ -339,7 +341,7 @@ def test_density_store_rewind_and_horizon():
     assert store.lookup([1, 3]).tolist() == pytest.approx([0.7, 0.2])
     store.visible_at(1)
     assert np.isnan(store.lookup([1, 3])).all()
-    store.visible_at(2 + sab_module.REWIND_STEPS + 1)  # folds the entry in for good
+    store.visible_at(2 + REWIND_STEPS + 1)  # folds the entry in for good
     with pytest.raises(ValueError, match="cannot restore"):
         store.visible_at(1)
 

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
+from sb_titan.balance.dst import DSTConfig, tune_budgets
+from sb_titan.balance.sab import Planner, SABConfig
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.dst import DSTConfig, tune_budgets
-from sb_titan.sab import Planner, SABConfig
 from sb_titan.simulate import (
     VARIANTS,
     Cluster,
@@ -191,8 +191,8 @@ def test_cli_json_keys_and_plot(tmp_path, capsys):
 
 def test_cli_with_a_profile_and_interleaved(tmp_path):
     """A measured profile replaces the analytic model (here: one saved from it)."""
-    from sb_titan.cost_model import analytic_profile
-    from sb_titan.cost_model import analytic_stage_spec as stage_spec
+    from sb_titan.balance.cost_model import analytic_profile
+    from sb_titan.balance.cost_model import analytic_stage_spec as stage_spec
     from sb_titan.models.qwen2_5 import FLAVORS
 
     prof = tmp_path / "stage.json"

@@ -7,8 +7,8 @@ import argparse
 import pytest
 from conftest import REPO
 
+from sb_titan.balance.step_shape import StepShape, step_shape
 from sb_titan.config.toml import load_config
-from sb_titan.step_shape import StepShape, step_shape
 
 E2E = REPO / "train_configs" / "e2e_cpu.toml"
 DEBUG = REPO / "train_configs" / "debug_cpu.toml"

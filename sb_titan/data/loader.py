@@ -22,8 +22,8 @@ import tyro
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 
+from sb_titan.balance.sab import CostFn, DensityPrior, MicroBatchPlan, Planner, SABConfig, StepPlan
 from sb_titan.data.source import TokenSource
-from sb_titan.sab import CostFn, DensityPrior, MicroBatchPlan, Planner, SABConfig, StepPlan
 
 IGNORE_INDEX = -100
 

@@ -30,7 +30,7 @@ from typing import Annotated
 import numpy as np
 import tyro
 
-from sb_titan.cost_model import POLICIES, CostModel, Unit
+from sb_titan.balance.cost_model import POLICIES, CostModel, Unit
 
 ANCHORS = ("min", "mean", "median", "max", "recall")
 _ANCHOR_BISECT_STEPS = 24  # fixed (identical on every rank); 2**-24 of the range is plenty

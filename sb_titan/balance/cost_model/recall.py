@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sb_titan.knot_means import fold_in, nearest, tables_from_state
+from sb_titan.balance.cost_model.knot_means import fold_in, nearest, tables_from_state
 
 _BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
 

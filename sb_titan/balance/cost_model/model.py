@@ -1,0 +1,431 @@
+"""Latency predictor for one micro-batch on one pipeline stage, and its inverse.
+
+A micro-batch is a list of document lengths (attention never crosses documents). Its
+forward+backward time is modelled as
+
+    T = rest_scale * (overhead + linear(tokens)) + attn_scale * sum_d attn(L_d, rho_d)
+
+with `linear` and `attn` interpolated from a measured `Profile` (or built from FLOPs by
+`analytic_profile`), and the two scales refitted online from measured step times.
+The model is monotone in every length and density, so budgets invert by bisection.
+See docs/cost_model.md for the assumptions and the file format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from sb_titan.balance.cost_model.analytic import ANALYTIC_DEVICES, AnalyticSpec, analytic_profile
+from sb_titan.balance.cost_model.blocks import (
+    MicroBatch,
+    Unit,
+    block_pairs,
+    check_policy,
+    forced_density,
+    lerp,
+)
+from sb_titan.balance.cost_model.density import DensityModel
+from sb_titan.balance.cost_model.profile import (
+    MIN_SECONDS,
+    Profile,
+    ProfileError,
+    ProfileNotFoundError,
+)
+from sb_titan.balance.cost_model.recall import RecallModel
+
+logger = logging.getLogger(__name__)
+
+
+_BISECT_STEPS = 50  # fixed: 2**-50 of the budget range, identical work on every rank
+
+
+class BudgetSolution(NamedTuple):
+    beta: float
+    predicted_s: float
+    clamped: int  # 0 reachable; -1 even beta_min is slower; +1 even beta_max is faster
+
+
+class LatencyObservation(NamedTuple):
+    doc_lens: Sequence[int]  # one micro-batch
+    densities: float | Sequence[float]  # realised, scalar or per document
+    seconds: float  # measured fwd+bwd of that micro-batch on this stage
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Documents of several units, flattened once so each bisection step is vectorised."""
+
+    lengths: np.ndarray  # [D]
+    unit: np.ndarray  # [D] unit index of each document
+    rows: np.ndarray  # [D, J] attention seconds at each profiled density
+    forced: np.ndarray  # [D] least possible density
+    rest: np.ndarray  # [U] unscaled overhead + linear seconds
+
+
+def _as_unit(work: MicroBatch | Unit) -> list[MicroBatch]:
+    """One micro-batch (list of ints) or a unit (list of micro-batches) -> a unit."""
+    if len(work) and not isinstance(work[0], int | np.integer):
+        return list(work)
+    return [work]
+
+
+class CostModel:
+    """Predicts, inverts and recalibrates micro-batch latency from a Profile."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        density_model: DensityModel | None = None,
+        *,
+        refit_rate: float = 0.2,
+        ape_rate: float = 0.1,
+        ridge: float = 0.01,
+        scale_bounds: tuple[float, float] = (0.05, 20.0),
+    ) -> None:
+        self.profile = profile
+        self.density_model = density_model if density_model is not None else DensityModel()
+        self.block_size = profile.block_size
+        self.recall_model = RecallModel(block_size=self.block_size)  # DST's (dst.py)
+        self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
+        self.scale_bounds = scale_bounds
+        self._profile_digest = profile.digest()
+        attn = np.asarray(profile.attn_seconds, dtype=np.float64)
+        mono = np.maximum.accumulate(np.maximum.accumulate(attn, axis=1), axis=0)
+        lin = np.asarray(profile.linear_seconds, dtype=np.float64)
+        mono_lin = np.maximum.accumulate(lin)
+        if (mono != attn).any() or (mono_lin != lin).any():
+            logger.info("%s: made the profile monotone (measurement noise)", profile.source)
+        self._lengths = np.asarray(profile.lengths, dtype=np.float64)
+        self._log_len = np.log(self._lengths)
+        self._log_attn = np.log(np.maximum(mono, MIN_SECONDS))
+        self._edge_pairs = block_pairs(self._lengths[[0, -1]], self.block_size)
+        self._dens = np.asarray(profile.densities, dtype=np.float64)
+        self._tokens = np.asarray(profile.linear_tokens, dtype=np.float64)
+        self._linear_s = mono_lin
+        self._overhead = profile.overhead_seconds
+        self.attn_scale = 1.0
+        self.rest_scale = 1.0
+        self.ape_ema = 0.0
+        self.n_refits = 0
+
+    @classmethod
+    def analytic(cls, spec: AnalyticSpec, **kwargs: Any) -> CostModel:
+        return cls(analytic_profile(spec), **kwargs)
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike, *, analytic: AnalyticSpec | None = None, **kwargs: Any
+    ) -> CostModel:
+        """Load a profile; fall back to the analytic model only if one is passed."""
+        try:
+            return cls(Profile.load(path), **kwargs)
+        except ProfileNotFoundError:
+            if analytic is None:
+                raise
+            logger.warning("no profile at %s: using the analytic cost model %s", path, analytic)
+            return cls.analytic(analytic, **kwargs)
+
+    # -- the unscaled terms
+
+    def _attn_rows(self, lengths: np.ndarray) -> np.ndarray:
+        """[D, J]: one document's attention seconds at each profiled density.
+
+        Power law (log-log linear) between profiled lengths, which keeps monotonicity;
+        outside the grid, the edge's cost per causal block pair times the pair count.
+        """
+        log_len = np.log(np.maximum(lengths, 1.0))
+        i = np.clip(
+            np.searchsorted(self._log_len, log_len, side="right") - 1, 0, len(self._lengths) - 2
+        )
+        t = (log_len - self._log_len[i]) / (self._log_len[i + 1] - self._log_len[i])
+        t = np.clip(t, 0.0, 1.0)[:, None]
+        rows = np.exp(lerp(self._log_attn[i], self._log_attn[i + 1], t))
+        pairs = block_pairs(lengths, self.block_size)
+        scale = np.where(lengths < self._lengths[0], pairs / self._edge_pairs[0], 1.0)
+        scale = np.where(lengths > self._lengths[-1], pairs / self._edge_pairs[1], scale)
+        return rows * scale[:, None]
+
+    def _attn_at(self, rows: np.ndarray, rho: np.ndarray) -> np.ndarray:
+        """Per-document seconds at density rho: linear between profiled densities."""
+        rho = np.clip(rho, self._dens[0], self._dens[-1])
+        j = np.clip(np.searchsorted(self._dens, rho, side="right") - 1, 0, len(self._dens) - 2)
+        s = (rho - self._dens[j]) / (self._dens[j + 1] - self._dens[j])
+        d = np.arange(len(rho))
+        return lerp(rows[d, j], rows[d, j + 1], s)
+
+    def _linear(self, tokens: np.ndarray) -> np.ndarray:
+        """Token-linear seconds: piecewise linear; proportional below, last slope above."""
+        tok, lin = self._tokens, self._linear_s
+        slope = (lin[-1] - lin[-2]) / (tok[-1] - tok[-2])
+        out = np.interp(tokens, tok, lin)
+        out = np.where(tokens < tok[0], lin[0] * tokens / tok[0], out)
+        return np.where(tokens > tok[-1], lin[-1] + slope * (tokens - tok[-1]), out)
+
+    def _batch(self, units: Sequence[Unit]) -> _Batch:
+        lengths, unit_of_doc, mb_tokens, unit_of_mb = [], [], [], []
+        for u, unit in enumerate(units):
+            for mb in unit:
+                lens = [int(x) for x in mb]
+                if any(x < 0 for x in lens):
+                    raise ValueError(f"document lengths must be >= 0, got {lens}")
+                lengths += lens
+                unit_of_doc += [u] * len(lens)
+                mb_tokens.append(sum(lens))
+                unit_of_mb.append(u)
+        lengths_a = np.asarray(lengths, dtype=np.float64)
+        tokens = np.asarray(mb_tokens, dtype=np.float64)
+        mb_rest = self._overhead + self._linear(tokens)
+        return _Batch(
+            lengths=lengths_a,
+            unit=np.asarray(unit_of_doc, dtype=np.int64),
+            rows=self._attn_rows(lengths_a),
+            forced=forced_density(lengths_a, self.block_size),
+            rest=np.bincount(np.asarray(unit_of_mb, dtype=np.int64), mb_rest, len(units)),
+        )
+
+    def _unit_terms(self, batch: _Batch, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """([U] attention, [U] rest) unscaled seconds, given every document's density."""
+        attn = np.bincount(batch.unit, self._attn_at(batch.rows, rho), len(batch.rest))
+        return attn, batch.rest
+
+    def _seconds(self, batch: _Batch, rho: np.ndarray) -> np.ndarray:
+        attn, rest = self._unit_terms(batch, rho)
+        return self.rest_scale * rest + self.attn_scale * attn
+
+    def _rho(self, batch: _Batch, beta: np.ndarray, policy: str) -> np.ndarray:
+        b = beta[batch.unit]
+        rho = b if policy == "topk" else self.density_model.predict(b, batch.lengths)
+        return np.minimum(1.0, np.maximum(rho, batch.forced))
+
+    def _terms(self, doc_lens: MicroBatch, density: float | Sequence[float]) -> tuple[float, float]:
+        """(attention, rest) unscaled seconds of one micro-batch at given densities."""
+        batch = self._batch([[doc_lens]])
+        rho = np.asarray(density, dtype=np.float64)
+        if rho.ndim and rho.shape != batch.lengths.shape:
+            raise ValueError(f"{rho.size} densities for {batch.lengths.size} documents")
+        rho = np.broadcast_to(rho, batch.lengths.shape)
+        if not (np.isfinite(rho).all() and (rho >= 0).all() and (rho <= 1).all()):
+            raise ValueError(f"densities must lie in [0, 1], got {density}")
+        attn, rest = self._unit_terms(batch, rho)
+        return float(attn[0]), float(rest[0])
+
+    # -- prediction
+
+    def predict(self, doc_lens: MicroBatch, density: float | Sequence[float]) -> float:
+        """Seconds of one micro-batch with the given density (scalar or per document)."""
+        attn, rest = self._terms(doc_lens, density)
+        return self.rest_scale * rest + self.attn_scale * attn
+
+    def density_for_budget(self, beta: float, length: int, policy: str) -> float:
+        """Realised density of a document of `length` tokens at budget beta."""
+        check_policy(policy)
+        batch = self._batch([[[length]]])
+        return float(self._rho(batch, np.array([float(beta)]), policy)[0])
+
+    def predict_units(
+        self, units: Sequence[Unit], beta: float | Sequence[float], policy: str
+    ) -> np.ndarray:
+        """[U] seconds of each unit (sum over its micro-batches) at budget beta."""
+        check_policy(policy)
+        batch = self._batch(units)
+        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (len(units),))
+        return self._seconds(batch, self._rho(batch, betas, policy))
+
+    def predict_budget(self, work: MicroBatch | Unit, beta: float, policy: str) -> float:
+        """Seconds of one micro-batch, or of a unit of micro-batches, at budget beta."""
+        return float(self.predict_units([_as_unit(work)], beta, policy)[0])
+
+    # -- inversion
+
+    def budgets_for(
+        self,
+        units: Sequence[Unit],
+        targets_s: float | Sequence[float],
+        policy: str,
+        beta_min: float | Sequence[float],
+        beta_max: float | Sequence[float],
+    ) -> list[BudgetSolution]:
+        """Per unit, the largest budget in [beta_min, beta_max] predicted within target.
+
+        Lock-step bisection over all units with a fixed step count: deterministic, and
+        one vectorised evaluation per step however many units there are.
+        """
+        check_policy(policy)
+        n = len(units)
+        lo = np.broadcast_to(np.asarray(beta_min, dtype=np.float64), (n,)).copy()
+        hi = np.broadcast_to(np.asarray(beta_max, dtype=np.float64), (n,)).copy()
+        if not ((lo > 0) & (lo <= hi) & (hi <= 1)).all():
+            raise ValueError(f"need 0 < beta_min <= beta_max <= 1, got {beta_min}, {beta_max}")
+        target = np.broadcast_to(np.asarray(targets_s, dtype=np.float64), (n,))
+        batch = self._batch(units)
+        f = lambda beta: self._seconds(batch, self._rho(batch, beta, policy))
+        slow, fits_hi = f(lo) > target, f(hi) <= target
+        a, b = lo.copy(), hi.copy()
+        for _ in range(_BISECT_STEPS):
+            mid = 0.5 * (a + b)
+            ok = f(mid) <= target
+            a, b = np.where(ok, mid, a), np.where(ok, b, mid)
+        beta = np.where(slow, lo, np.where(fits_hi, hi, a))
+        pred = f(beta)
+        clamped = np.where(slow, -1, np.where(fits_hi & (pred < target), 1, 0))
+        return [
+            BudgetSolution(float(x), float(p), int(c))
+            for x, p, c in zip(beta, pred, clamped, strict=True)
+        ]
+
+    def budget_for(
+        self,
+        work: MicroBatch | Unit,
+        target_s: float,
+        policy: str,
+        beta_min: float,
+        beta_max: float,
+    ) -> BudgetSolution:
+        """The budget whose predicted seconds for `work` is target_s (see budgets_for)."""
+        return self.budgets_for([_as_unit(work)], target_s, policy, beta_min, beta_max)[0]
+
+    # -- online recalibration
+
+    def refit(self, observations: Iterable[LatencyObservation | tuple]) -> None:
+        """Damped least-squares correction of the attention and rest scales.
+
+        Minimises the squared relative error over the observations plus a ridge pull
+        toward the current scales, then moves a `refit_rate` step toward the solution.
+        Sums use math.fsum (exactly rounded, order-free), so identical observations on
+        every rank give bit-identical scales.
+        """
+        xs, zs = [], []
+        for doc_lens, densities, seconds in observations:
+            seconds = float(seconds)
+            if not (math.isfinite(seconds) and seconds > 0):
+                continue
+            attn, rest = self._terms(doc_lens, densities)
+            xs.append(attn / seconds)
+            zs.append(rest / seconds)
+        if not xs:
+            return
+        a0, b0 = self.attn_scale, self.rest_scale
+        ape = math.fsum(abs(a0 * x + b0 * z - 1.0) for x, z in zip(xs, zs, strict=True)) / len(xs)
+        self.ape_ema = (
+            ape if self.n_refits == 0 else self.ape_ema + self.ape_rate * (ape - self.ape_ema)
+        )
+        lam = self.ridge * len(xs)
+        sxx = math.fsum(x * x for x in xs) + lam
+        szz = math.fsum(z * z for z in zs) + lam
+        sxz = math.fsum(x * z for x, z in zip(xs, zs, strict=True))
+        sx = math.fsum(xs) + lam * a0
+        sz = math.fsum(zs) + lam * b0
+        det = sxx * szz - sxz * sxz
+        lo, hi = self.scale_bounds
+        a = min(max((sx * szz - sz * sxz) / det, lo), hi)
+        b = min(max((sz * sxx - sx * sxz) / det, lo), hi)
+        self.attn_scale = a0 + self.refit_rate * (a - a0)
+        self.rest_scale = b0 + self.refit_rate * (b - b0)
+        self.n_refits += 1
+
+    def drift_warning(self, threshold: float = 0.15) -> str | None:
+        """A message when the smoothed prediction error exceeds threshold, else None."""
+        if self.n_refits == 0 or self.ape_ema <= threshold:
+            return None
+        return (
+            f"cost model: mean absolute prediction error {self.ape_ema:.1%} (EMA over "
+            f"{self.n_refits} refits) exceeds {threshold:.0%}; the profile "
+            f"{self.profile.source} may not match this environment; re-run "
+            "`sb-profile --config <config.toml> --out <path>`"
+        )
+
+    def check_fingerprint(self, expected: dict[str, Any], strict: bool = False) -> list[str]:
+        """Keys of `expected` whose profile value differs; warn, or raise under strict."""
+        have = {**self.profile.fingerprint, "block_size": self.profile.block_size}
+        missing = object()
+        diffs = [k for k in sorted(expected) if have.get(k, missing) != expected[k]]
+        if diffs:
+            detail = "; ".join(
+                f"{k}: profile={have.get(k, '<missing>')!r} current={expected[k]!r}" for k in diffs
+            )
+            msg = f"{self.profile.source}: profile fingerprint mismatch: {detail}"
+            if strict:
+                raise ProfileError(msg)
+            logger.warning(msg)
+        return diffs
+
+    # -- checkpointing
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "profile_digest": self._profile_digest,
+            "attn_scale": self.attn_scale,
+            "rest_scale": self.rest_scale,
+            "ape_ema": self.ape_ema,
+            "n_refits": self.n_refits,
+            "density_model": self.density_model.state_dict(),
+            "recall_model": self.recall_model.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; calibration fit on a different profile is dropped with a warning."""
+        self.density_model.load_state_dict(state["density_model"])
+        if "recall_model" in state:  # absent in checkpoints written before it existed
+            self.recall_model.load_state_dict(state["recall_model"])
+        if state["profile_digest"] != self._profile_digest:
+            logger.warning(
+                "%s: checkpointed cost-model calibration was fit on another profile; "
+                "starting calibration afresh",
+                self.profile.source,
+            )
+            return
+        self.attn_scale = float(state["attn_scale"])
+        self.rest_scale = float(state["rest_scale"])
+        self.ape_ema = float(state["ape_ema"])
+        self.n_refits = int(state["n_refits"])
+
+    def digest(self) -> str:
+        """Hash of the profile and the learned state, to assert ranks agree."""
+        blob = json.dumps(self.state_dict(), sort_keys=True).encode()
+        return hashlib.sha1(blob).hexdigest()
+
+
+@dataclass(kw_only=True, slots=True)
+class CostModelConfig:
+    """The `[cost_model]` section."""
+
+    profile: str | None = None
+    """A `sb-profile` JSON measured on this device for this model and stage split."""
+    analytic_device: str | None = None
+    """Explicit opt-in FLOP model instead of (or when missing) a profile: h100, h200, cpu."""
+    strict_fingerprint: bool = False
+    """A profile measured on another device/software/model is an error, not a warning."""
+    refit: bool = True
+    """Recalibrate online from measured micro-batch times (identical on every rank)."""
+    drift_threshold: float = 0.15
+    """Warn when the prediction error's moving average exceeds this fraction."""
+
+    def __post_init__(self) -> None:
+        if self.analytic_device is not None and self.analytic_device not in ANALYTIC_DEVICES:
+            raise ValueError(
+                f"cost_model.analytic_device: {self.analytic_device!r} is not one of "
+                f"{sorted(ANALYTIC_DEVICES)}"
+            )
+
+
+def build_cost_model(
+    config: CostModelConfig, spec_for: Callable[[str], AnalyticSpec], expected: dict[str, Any]
+) -> CostModel | None:
+    """The run's cost model, or None when neither a profile nor the analytic fallback
+    was configured (callers that need one say which command makes it)."""
+    fallback = spec_for(config.analytic_device) if config.analytic_device else None
+    if config.profile is None:
+        return CostModel.analytic(fallback) if fallback is not None else None
+    model = CostModel.from_file(config.profile, analytic=fallback)
+    if model.profile.source != "<memory>":
+        model.check_fingerprint(expected, strict=config.strict_fingerprint)
+    return model
