@@ -69,7 +69,8 @@ def packing_digests() -> dict[str, str]:
 
 
 def simulate_digests() -> dict[str, str]:
-    from sb_titan.simulate import _parser, _resolve, simulate
+    from sb_titan.simulator import simulate
+    from sb_titan.tools.simulate import _parser, _resolve
 
     cases = {
         "dp8_3b_64k_mean": ["--dp", "8", "--flavor", "3b", "--seq-len", "65536"],

@@ -12,20 +12,19 @@ import pytest
 from sb_titan.balance.dst import DSTConfig, tune_budgets
 from sb_titan.balance.sab import Planner, SABConfig
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.simulate import (
+from sb_titan.simulator import (
     VARIANTS,
     Cluster,
     Network,
     Scenario,
     build_simulator,
-    closed_form_step_s,
-    main,
     make_planner,
-    replay,
-    schedule_orders,
     simulate,
-    stage_split,
 )
+from sb_titan.simulator.replay import replay
+from sb_titan.simulator.schedules import closed_form_step_s, schedule_orders
+from sb_titan.simulator.stages import stage_split
+from sb_titan.tools.simulate import main
 
 NO_COMM = Network(p2p_latency_s=0.0, p2p_gbps=1e30, allreduce_latency_s=0.0, allreduce_gbps=1e30)
 

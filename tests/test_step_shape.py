@@ -71,7 +71,7 @@ def test_sb_plan_with_a_config_plans_the_trainers_step(capsys):
 def test_sb_simulate_with_a_config_counts_gradient_accumulation():
     """e2e_cpu.toml at DP=2 runs 2 micro-batches per rank (global 4 = 2 ranks x 1 row
     x 2 accumulation steps); the simulator replayed 8."""
-    from sb_titan.simulate import _parser, _resolve
+    from sb_titan.tools.simulate import _parser, _resolve
 
     args: argparse.Namespace = _parser().parse_args(["--config", str(E2E), "--dp", "2"])
     cluster, _ = _resolve(args)

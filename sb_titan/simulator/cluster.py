@@ -1,0 +1,61 @@
+"""The simulated cluster: DP x PP shape, schedule, rows, and its network."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    """Communication: activations between pipeline stages, gradients across DP ranks."""
+
+    p2p_gbps: float = 100.0  # GB/s per stage boundary (NVLink within a node)
+    p2p_latency_s: float = 20e-6
+    allreduce_gbps: float = 50.0  # GB/s per GPU for the ring (400 Gb/s InfiniBand)
+    allreduce_latency_s: float = 100e-6
+    activation_bytes: int = 2  # bf16 activations and activation gradients
+    grad_bytes: int = 4  # fp32 gradient reduction (TorchTitan's default reduce dtype)
+
+    def send_seconds(self, tokens: np.ndarray, hidden: int) -> np.ndarray:
+        """One micro-batch's activations (or their gradient) across a stage boundary."""
+        return self.p2p_latency_s + tokens * hidden * self.activation_bytes / (self.p2p_gbps * 1e9)
+
+    def allreduce_seconds(self, params: int, dp: int) -> float:
+        """Ring all-reduce of one pipeline rank's gradients, not overlapped (worst case)."""
+        if dp <= 1:
+            return 0.0
+        volume = 2 * (dp - 1) / dp * params * self.grad_bytes
+        return self.allreduce_latency_s * 2 * (dp - 1) + volume / (self.allreduce_gbps * 1e9)
+
+
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    dp: int
+    pp: int
+    microbatches: int
+    schedule: str = "1F1B"
+    virtual_stages: int = 1  # model chunks per pipeline rank (Interleaved1F1B: >= 2)
+    rows: int = 1  # rows of seq_len tokens per micro-batch
+    seq_len: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if min(self.dp, self.pp, self.microbatches, self.virtual_stages, self.rows) < 1:
+            raise ValueError("dp, pp, microbatches, virtual_stages and rows must be >= 1")
+        if self.schedule == "Interleaved1F1B" and self.virtual_stages < 2:
+            raise ValueError("Interleaved1F1B needs virtual_stages >= 2")
+        if self.schedule != "Interleaved1F1B" and self.virtual_stages != 1:
+            raise ValueError(f"{self.schedule} runs one stage per rank (virtual_stages=1)")
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp

@@ -1,0 +1,99 @@
+"""A simulated run: every variant over the same documents for a number of steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sb_titan.balance.dst import DSTConfig
+from sb_titan.balance.sab import SABConfig
+from sb_titan.data.longtail import longtail_v1
+from sb_titan.models.qwen2_5 import FLAVORS
+from sb_titan.simulator.cluster import Cluster, Network
+from sb_titan.simulator.report import report
+from sb_titan.simulator.stages import build_cost_models
+from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_planner
+
+
+@dataclass
+class Scenario:
+    """What a run needs besides the cluster: model, data, planner and DST settings."""
+
+    flavor: str = "3b"
+    lengths: np.ndarray | None = None  # None: longtail-v1 at seq_len
+    data_name: str = "longtail-v1"
+    seed: int = 0
+    steps: int = 10
+    sab: SABConfig = field(default_factory=SABConfig)
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    block_size: int = 64
+    device: str | None = "h200"
+    profile: str | None = None
+    baseline_policy: str = "sequential"
+    density_exponent: float = 1.0
+    network: Network = field(default_factory=Network)
+    bwd_over_fwd: float = 2.0
+    first_less: int = 1
+    last_less: int = 1
+
+
+def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:
+    """Enough longtail-v1 documents for every step to see fresh ones (the planner
+    would start a new epoch otherwise, which is harmless)."""
+    pilot = longtail_v1(4096, cluster.seq_len, seed + 1).mean()
+    tokens = steps * cluster.dp * cluster.microbatches * cluster.rows * cluster.seq_len
+    return longtail_v1(int(1.2 * tokens / pilot) + 1024, cluster.seq_len, seed)
+
+
+def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
+    dims = FLAVORS[sc.flavor]
+    models = build_cost_models(
+        dims,
+        cluster,
+        device=sc.device if sc.profile is None else None,
+        profile=sc.profile,
+        block_size=sc.block_size,
+        beta0=sc.dst.beta0,
+        policy=sc.dst.policy,
+        density_exponent=sc.density_exponent,
+        first_less=sc.first_less,
+        last_less=sc.last_less,
+    )
+    return Simulator(cluster, dims, models, sc.dst, sc.network, sc.bwd_over_fwd)
+
+
+def simulate(
+    cluster: Cluster, sc: Scenario, progress: bool = False
+) -> tuple[dict[str, Any], dict[str, StepResult]]:
+    """Run every variant for sc.steps steps; (report, step-0 results with timelines)."""
+    sim = build_simulator(cluster, sc)
+    lengths = sc.lengths if sc.lengths is not None else draw_lengths(cluster, sc.steps, sc.seed)
+    sab = dataclasses.replace(sc.sab, seed=sc.seed)
+    planners = {
+        policy: make_planner(lengths, cluster, sab, policy, sim.models.planning, sc.dst)
+        for policy in (sc.baseline_policy, "sab")
+    }
+    results: dict[str, list[StepResult]] = {v: [] for v in VARIANTS}
+    first: dict[str, StepResult] = {}
+    t0 = time.perf_counter()
+    for step in range(sc.steps):
+        plans = {policy: p.next_step() for policy, p in planners.items()}
+        for v in VARIANTS:
+            policy = "sab" if v.startswith("sab") else sc.baseline_policy
+            r = sim.run_step(plans[policy], v, keep_timeline=step == 0)
+            if step == 0:
+                first[v] = r
+            results[v].append(r)
+        if progress:
+            line = "  ".join(f"{v} {results[v][-1].step_s:.2f}s" for v in VARIANTS)
+            elapsed = time.perf_counter() - t0
+            print(
+                f"[sb-simulate] step {step + 1}/{sc.steps}  {line}  ({elapsed:.0f}s)",
+                file=sys.stderr,
+            )
+    return report(cluster, sc, sim, results), first

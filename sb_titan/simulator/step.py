@@ -1,0 +1,161 @@
+"""One simulated step of one variant: plan, budget, time every stage, replay, reduce."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sb_titan.balance.cost_model import (
+    CostModel,
+)
+from sb_titan.balance.dst import DSTConfig
+from sb_titan.balance.sab import Planner, SABConfig, StepPlan
+from sb_titan.balance.units import step_budgets
+from sb_titan.models.qwen2_5 import Qwen25Dims
+from sb_titan.simulator.cluster import Cluster, Network
+from sb_titan.simulator.replay import Timeline, replay
+from sb_titan.simulator.schedules import schedule_orders
+from sb_titan.simulator.stages import CostModels
+
+VARIANTS = ("baseline", "sab", "dst", "sab_dst")
+
+
+BASELINE_POLICIES = ("sequential", "tokens")  # what the baseline and DST-only pack with
+
+
+_DST_ON = {"baseline": False, "sab": False, "dst": True, "sab_dst": True}
+
+
+class _PieceCostCache:
+    """cost_model.predict, memoised for single documents (the planner prices every
+    piece alone). The simulator never refits, so that price is a pure function."""
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+        self._memo: dict[tuple[int, float], float] = {}
+
+    def __call__(self, doc_lens: Sequence[int], densities: Sequence[float]) -> float:
+        if len(doc_lens) != 1:
+            return self.cost_model.predict(doc_lens, densities)
+        key = (int(doc_lens[0]), float(densities[0]))
+        if key not in self._memo:
+            self._memo[key] = self.cost_model.predict(doc_lens, densities)
+        return self._memo[key]
+
+
+def make_planner(
+    lengths: np.ndarray,
+    cluster: Cluster,
+    sab: SABConfig,
+    policy: str,
+    cost_model: CostModel,
+    dst: DSTConfig,
+) -> Planner:
+    """The trainer's planner: cost = cost_model.predict, density prior at beta0."""
+    prior = functools.cache(lambda n: cost_model.density_for_budget(dst.beta0, n, dst.policy))
+    return Planner(
+        lengths,
+        seq_len=cluster.seq_len,
+        dp=cluster.dp,
+        microbatches=cluster.microbatches,
+        rows_per_microbatch=cluster.rows,
+        config=dataclasses.replace(sab, policy=policy),
+        cost_fn=_PieceCostCache(cost_model),
+        density_prior=prior,
+    )
+
+
+@dataclass
+class StepResult:
+    step_s: float
+    pipeline_s: float  # slowest DP rank's pipeline, before the reduction
+    reduction_s: float
+    ideal_s: float  # every micro-batch at the step's mean work, same schedule
+    bubble_share: float
+    rank_imbalance: float  # DP ranks' compute, max / mean
+    microbatch_imbalance: float  # micro-batches' fwd+bwd over all stages, max / mean
+    mean_budget: float
+    recall_proxy: float  # DSTDecision.predicted_recall: token-mean recall lower bound
+    clamped: int
+    tokens: int  # trained this step (padding excluded)
+    budgets_digest: str  # DSTDecision.digest(): what a trainer rank would log
+    padding: float  # share of the step's row capacity left empty
+    timeline: Timeline | None = None
+
+
+@dataclass
+class Simulator:
+    """Everything fixed across steps: the cluster, the models, the schedule orders."""
+
+    cluster: Cluster
+    dims: Qwen25Dims
+    models: CostModels
+    dst: DSTConfig
+    network: Network = field(default_factory=Network)
+    bwd_over_fwd: float = 2.0
+
+    def __post_init__(self) -> None:
+        c = self.cluster
+        self.orders = schedule_orders(c.schedule, c.pp, c.microbatches, c.virtual_stages)
+        self.reduction_s = max(self.network.allreduce_seconds(p, c.dp) for p in self.models.params)
+
+    def dst_config(self, variant: str) -> DSTConfig:
+        """The run's [dst] config, switched off for the variants without DST."""
+        return dataclasses.replace(self.dst, enabled=self.dst.enabled and _DST_ON[variant])
+
+    def stage_seconds(self, plan: StepPlan, budgets: np.ndarray) -> np.ndarray:
+        """[n_stages, microbatches, dp] fwd+bwd seconds from each stage's cost model."""
+        c = self.cluster
+        units = [[mb.doc_lens] for rank in plan.microbatches for mb in rank]
+        beta = budgets.reshape(-1)
+        by_model: dict[int, np.ndarray] = {}
+        out = np.empty((c.n_stages, c.microbatches, c.dp))
+        for s, cm in enumerate(self.models.stages):
+            if id(cm) not in by_model:
+                seconds = cm.predict_units(units, beta, self.dst.policy) * self.models.scale
+                by_model[id(cm)] = seconds.reshape(c.dp, c.microbatches).T
+            out[s] = by_model[id(cm)]
+        return out
+
+    def run_step(self, plan: StepPlan, variant: str, keep_timeline: bool = False) -> StepResult:
+        """One variant of one step: budget it, time every stage, replay, reduce."""
+        c = self.cluster
+        budgets, decision = step_budgets(
+            plan, self.models.planning, self.dst_config(variant), c.pp > 1
+        )
+        budgets = np.asarray(budgets)
+        total = self.stage_seconds(plan, budgets)
+        fwd = total / (1.0 + self.bwd_over_fwd)
+        tokens = np.array([[mb.num_tokens for mb in rank] for rank in plan.microbatches]).T
+        send = self.network.send_seconds(tokens.astype(np.float64), self.dims.dim)
+        tl = replay(self.orders, fwd, total - fwd, send)
+        ideal = replay(
+            self.orders,
+            fwd.mean(axis=(1, 2), keepdims=True).repeat(c.microbatches, 1),
+            (total - fwd).mean(axis=(1, 2), keepdims=True).repeat(c.microbatches, 1),
+            np.full((c.microbatches, 1), send.mean()),
+        )
+        pipeline = float(tl.makespan.max())
+        rank_compute = tl.busy.sum(axis=0)
+        mb_work = total.sum(axis=0).reshape(-1)
+        capacity = c.dp * c.microbatches * c.rows * c.seq_len
+        return StepResult(
+            step_s=pipeline + self.reduction_s,
+            pipeline_s=pipeline,
+            reduction_s=self.reduction_s,
+            ideal_s=float(ideal.makespan[0]) + self.reduction_s,
+            bubble_share=1.0 - float(tl.busy.sum()) / (c.pp * c.dp * pipeline),
+            rank_imbalance=float(rank_compute.max() / rank_compute.mean()),
+            microbatch_imbalance=float(mb_work.max() / mb_work.mean()),
+            mean_budget=float(budgets.mean()),
+            recall_proxy=decision.predicted_recall,
+            clamped=decision.n_clamped if self.dst_config(variant).enabled else 0,
+            tokens=int(tokens.sum()),
+            budgets_digest=decision.digest(),
+            padding=1.0 - float(tokens.sum()) / capacity,
+            timeline=tl if keep_timeline else None,
+        )

@@ -1,0 +1,170 @@
+"""`sb-simulate`: SAB and DST at 8-1024 GPUs, replayed on a CPU.
+
+Per step: documents come from a length distribution (longtail-v1 or an indexed
+dataset's lengths), the project's own `sab.Planner` packs them (policy `sequential`,
+or `tokens`, for the baseline and DST-only, `sab` for SAB and SAB+DST), the project's own
+`dst.tune_budgets` gives every work unit its budget (DST off: beta0 everywhere), the
+project's own `CostModel` times every micro-batch on every pipeline stage, and the
+pipeline schedule is replayed event by event in the order torch.distributed.pipelining
+runs it (1F1B, Interleaved1F1B, GPipe). DP ranks wait for the slowest at the
+gradient reduction. Nothing here re-implements planning, budgeting or cost prediction:
+the simulator only adds the schedule replay and the cluster's communication.
+See docs/simulate.md for the method, the assumptions and results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from sb_titan.balance.cost_model import (
+    ANALYTIC_DEVICES,
+)
+from sb_titan.balance.dst import ANCHORS
+from sb_titan.models.qwen2_5 import FLAVORS
+from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network
+from sb_titan.simulator.report import format_table, plot_timelines
+from sb_titan.simulator.run import Scenario, simulate
+from sb_titan.simulator.step import BASELINE_POLICIES
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sb-simulate",
+        description="Simulate baseline / SAB / DST / SAB+DST step times for a cluster shape "
+        "with the project's planner, DST and cost model and an event-level pipeline replay.",
+    )
+    p.add_argument("--config", help="TOML train config (model, sab, dst, sparse_attention, pp)")
+    p.add_argument("--flavor", help="Qwen2.5 flavor without --config (default 3b)")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
+    p.add_argument("--pp", type=int, help="pipeline stages (config, else 1)")
+    p.add_argument("--microbatches", type=int, help="micro-batches per step and DP rank")
+    p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule (config, else 1F1B)")
+    p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank (Interleaved)")
+    p.add_argument("--rows", type=int, help="rows of seq_len per micro-batch (default 1)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--profile", help="sb-profile JSON (one stage) instead of the analytic model")
+    src.add_argument(
+        "--device", choices=sorted(ANALYTIC_DEVICES), help="analytic device (default h200)"
+    )
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--seq-len", type=int, help="row length R (config, else 65536)")
+    p.add_argument("--data", help="sb-prep dataset directory (lengths only); default longtail-v1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--baseline-policy",
+        choices=BASELINE_POLICIES,
+        default="sequential",
+        help="planner policy of the baseline and DST-only variants",
+    )
+    p.add_argument("--anchor", choices=ANCHORS, help="DST anchor (config, else mean)")
+    p.add_argument(
+        "--density-exponent",
+        type=float,
+        default=1.0,
+        help="density-model prior rho = beta**k (1.0: the cost model's default)",
+    )
+    p.add_argument(
+        "--bwd-over-fwd",
+        type=float,
+        default=2.0,
+        help="backward / forward time (3.0 with full activation checkpointing)",
+    )
+    p.add_argument("--p2p-gbps", type=float, default=Network().p2p_gbps)
+    p.add_argument("--allreduce-gbps", type=float, default=Network().allreduce_gbps)
+    p.add_argument("--json", help="write the report here")
+    p.add_argument("--plot", help="write a Gantt chart of step 0 per variant (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    return p
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
+    """CLI > config > defaults."""
+    sc = Scenario(
+        seed=args.seed,
+        steps=args.steps,
+        baseline_policy=args.baseline_policy,
+        density_exponent=args.density_exponent,
+        bwd_over_fwd=args.bwd_over_fwd,
+        network=Network(p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps),
+    )
+    pp, schedule, seq_len, mbs, rows = 1, "1F1B", 65536, 8, 1
+    if args.config:
+        from sb_titan.balance.step_shape import step_shape
+        from sb_titan.config.toml import load_config
+
+        cfg = load_config(args.config)
+        par = cfg.parallelism
+        pp, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_schedule
+        non_dp = pp * par.tensor_parallel_degree * par.context_parallel_degree
+        # The trainer's step (gradient accumulation included) for --dp ranks of data
+        # parallelism; --pp below only overrides the stage count of the replay.
+        step = step_shape(cfg, args.dp * non_dp)
+        seq_len, mbs, rows = step.seq_len, step.microbatches, step.rows
+        sc.flavor = cfg.model.flavor
+        sc.sab = cfg.sab
+        sc.dst = dataclasses.replace(cfg.dst, policy=cfg.sparse_attention.policy)
+        sc.block_size = cfg.sparse_attention.block_size
+        sc.first_less = par.pipeline_parallel_first_stage_less_layers
+        sc.last_less = par.pipeline_parallel_last_stage_less_layers
+        if cfg.cost_model.profile and not args.device:
+            sc.profile = cfg.cost_model.profile
+    if args.anchor:
+        sc.dst = dataclasses.replace(sc.dst, anchor=args.anchor)
+    sc.flavor = (args.flavor or sc.flavor).lower()
+    if sc.flavor not in FLAVORS:
+        raise SystemExit(f"sb-simulate: unknown flavor {sc.flavor!r}; one of {sorted(FLAVORS)}")
+    if args.profile:
+        sc.profile, sc.device = args.profile, None
+    elif sc.profile is None:
+        sc.device = args.device or "h200"
+    else:
+        sc.device = None
+    pp = args.pp or pp
+    schedule = args.schedule or schedule
+    if schedule not in SCHEDULES:
+        raise SystemExit(f"sb-simulate: schedule {schedule!r} is not one of {SCHEDULES}")
+    cluster = Cluster(
+        dp=args.dp,
+        pp=pp,
+        microbatches=args.microbatches or mbs,
+        schedule=schedule,
+        virtual_stages=args.virtual_stages if schedule == "Interleaved1F1B" else 1,
+        rows=args.rows or rows,
+        seq_len=args.seq_len or seq_len,
+    )
+    if args.data:
+        from sb_titan.data.indexed import IndexedDataset
+
+        ds = IndexedDataset(args.data)
+        sc.lengths, sc.data_name = ds.lengths, ds.name
+    else:
+        sc.data_name = f"longtail-v1 (R={cluster.seq_len}, seed={args.seed})"
+    return cluster, sc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        cluster, sc = _resolve(args)
+    except ValueError as e:
+        print(f"sb-simulate: {e}", file=sys.stderr)
+        return 2
+    rep, first = simulate(cluster, sc, progress=not args.quiet)
+    src = sc.profile or f"analytic {sc.device}"
+    title = (
+        f"Qwen2.5-{sc.flavor.upper()} DP={cluster.dp} x PP={cluster.pp} {cluster.schedule}, "
+        f"{cluster.microbatches} micro-batches x {cluster.rows} x {cluster.seq_len} tokens, "
+        f"{sc.data_name}, {src}"
+    )
+    print(title)
+    print(format_table(rep))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=1) + "\n")
+    if args.plot:
+        plot_timelines(first, cluster, args.plot, title)
+    return 0
