@@ -122,8 +122,8 @@ def heldout_docs(row_len: int) -> list[torch.Tensor]:
 @torch.no_grad()
 def heldout_loss(model, docs: list[torch.Tensor], budget: float) -> dict[str, float]:
     """Token-mean next-token loss, overall and on the recalled values (' recall key K : V')."""
-    from sb_titan.attention.module import measurement_paused
     from sb_titan.eval.generate import _meta
+    from sb_titan.models.qwen2_5.attention import measurement_paused
 
     total = count = 0.0
     for doc in docs:

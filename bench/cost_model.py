@@ -38,7 +38,7 @@ import torch
 from sb_titan.balance.cost_model import CostModel, LatencyObservation, Profile
 from sb_titan.config.toml import load_config
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.profile import (
+from sb_titan.profiler import (
     AttentionInputs,
     ProfileSettings,
     TokenLinearAttention,

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.module import is_measuring
+from sb_titan.models.qwen2_5.attention import is_measuring
 
 
 class BlockClock:

@@ -29,7 +29,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
 )
 
-from sb_titan.attention.module import measurement_paused
+from sb_titan.models.qwen2_5.attention import measurement_paused
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
-from sb_titan.attention.module import ATTENTION_OBSERVERS, SBAttention, SparseAttentionConfig
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -43,6 +42,11 @@ from sb_titan.balance.units import step_budgets
 from sb_titan.data.source import check_vocabulary
 from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
+from sb_titan.models.qwen2_5.attention import (
+    ATTENTION_OBSERVERS,
+    SBAttention,
+    SparseAttentionConfig,
+)
 from sb_titan.schedule import current_microbatch, microbatch_context
 
 
@@ -451,7 +455,7 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
 
     expected = {"block_size": config.sparse_attention.block_size}
     if config.cost_model.profile:
-        from sb_titan.profile import current_fingerprint
+        from sb_titan.profiler import current_fingerprint
 
         expected = current_fingerprint(config)
     model = build_cost_model(config.cost_model, spec_for, expected)

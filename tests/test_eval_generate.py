@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from sb_titan.attention.module import SBAttention, SparseAttentionConfig
 from sb_titan.eval.checkpoint import build_model
 from sb_titan.eval.generate import _meta, forward_last_logits, greedy_generate, kv_cache
 from sb_titan.models.qwen2_5 import Qwen25Dims
+from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
 
 DIMS = Qwen25Dims(64, 2, 4, 2, 16, 128, 256, False, 1024)
 

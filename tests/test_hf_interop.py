@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 import sb_titan  # noqa: F401
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
-from sb_titan.attention.module import SparseAttentionConfig
 from sb_titan.models.qwen2_5 import FLAVORS, dims_from_hf_config, model_registry
+from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
 from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
 
 transformers = pytest.importorskip("transformers")

@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import DEBUG_TOML, REPO
 
-from sb_titan import profile as sbp
+from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 from sb_titan.config.toml import load_config
+from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.tools.profile import main as profile_main
 
 ROW = ["--training.seq_len", "256"]  # rows of 256 tokens keep every run sub-second
 GRID = ["--lengths", "64", "256", "--densities", "0.5", "1.0", "--repeats", "1", "--warmup", "0"]
@@ -33,7 +35,7 @@ def profiled(tmp_path_factory):
     """One tiny profile, written through the CLI (shared by the tests below)."""
     before = torch.get_num_threads()
     path = tmp_path_factory.mktemp("profile") / "debug.json"
-    rc = sbp.main(["--config", str(DEBUG_TOML), "--out", str(path), "--quiet", *GRID, *ROW])
+    rc = profile_main(["--config", str(DEBUG_TOML), "--out", str(path), "--quiet", *GRID, *ROW])
     torch.set_num_threads(before)
     assert rc == 0
     return path
@@ -71,12 +73,14 @@ def test_predictions_from_the_profile_are_monotone(profiled):
 
 def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thread, caplog):
     same, other = _config(), _config("--sparse_attention.block_size", "128")
-    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model"):
+    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model.model"):
         caplog.clear()
         sbp.load_cost_model(profiled, same)
-        assert not [r for r in caplog.records if r.name == "sb_titan.balance.cost_model"]
+        assert not [r for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"]
         sbp.load_cost_model(profiled, other)
-    (warning,) = [r.getMessage() for r in caplog.records if r.name == "sb_titan.balance.cost_model"]
+    (warning,) = [
+        r.getMessage() for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"
+    ]
     assert "block_size: profile=64 current=128" in warning and str(profiled) in warning
     longer = load_config(DEBUG_TOML, ["--training.seq_len", "512"])
     with pytest.raises(ProfileError, match="row_len: profile=256 current=512"):
@@ -85,37 +89,37 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
 
 def test_check_reports_match_mismatch_and_unusable_files(profiled, tmp_path, capsys, one_thread):
     args = ["--check", str(profiled), "--config", str(DEBUG_TOML)]
-    assert sbp.main([*args, *ROW]) == 0
+    assert profile_main([*args, *ROW]) == 0
     assert "fingerprint matches" in capsys.readouterr().out
-    assert sbp.main([*args, "--training.seq_len", "128"]) == 1
+    assert profile_main([*args, "--training.seq_len", "128"]) == 1
     assert "differs from this setup in: row_len" in capsys.readouterr().out
     text = profiled.read_text()
     for name, body in (("truncated.json", text[: len(text) // 2]), ("garbage.json", "{nope")):
         bad = tmp_path / name
         bad.write_text(body)
-        assert sbp.main(["--check", str(bad)]) == 2
+        assert profile_main(["--check", str(bad)]) == 2
         err = capsys.readouterr().err
         assert str(bad) in err and "corrupted or truncated" in err
         with pytest.raises(ProfileError, match=name):
             sbp.load_cost_model(bad)
-    assert sbp.main(["--check", str(tmp_path / "missing.json")]) == 2
+    assert profile_main(["--check", str(tmp_path / "missing.json")]) == 2
     assert "no latency profile at" in capsys.readouterr().err
 
 
 def test_bad_config_and_unsupported_flavor_are_clear_errors(tmp_path, capsys, one_thread):
     out = ["--out", str(tmp_path / "p.json"), "--quiet"]
-    assert sbp.main(["--config", str(tmp_path / "nope.toml"), *out]) == 2
+    assert profile_main(["--config", str(tmp_path / "nope.toml"), *out]) == 2
     assert "config file not found" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nstepz = 3\n")
-    assert sbp.main(["--config", str(bad), *out]) == 2
+    assert profile_main(["--config", str(bad), *out]) == 2
     assert "unknown key 'training.stepz'" in capsys.readouterr().err
-    assert sbp.main(["--config", str(DEBUG_TOML), *out, "--model.flavor", "7b"]) == 2
+    assert profile_main(["--config", str(DEBUG_TOML), *out, "--model.flavor", "7b"]) == 2
     err = capsys.readouterr().err
     assert "too many to profile on CPU" in err and "smaller flavor" in err
-    assert sbp.main(["--config", str(DEBUG_TOML), *out, *ROW, "--lengths", "64", "100"]) == 2
+    assert profile_main(["--config", str(DEBUG_TOML), *out, *ROW, "--lengths", "64", "100"]) == 2
     assert "must divide the row length" in capsys.readouterr().err
-    assert sbp.main(["--config", str(DEBUG_TOML), *out, "--stage", "1"]) == 2
+    assert profile_main(["--config", str(DEBUG_TOML), *out, "--stage", "1"]) == 2
     assert "no pipeline parallelism" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
 
@@ -141,7 +145,7 @@ def test_stage_scope_runs_embedding_head_and_loss(one_thread):
         sbp.make_stage_step(model, config, [[256]], 1.0, torch.device("cpu"))()
     q = model.layers["1"].attention.qkv_linear.wq.weight
     assert q.grad is not None and q.grad.abs().sum() > 0  # stand-in keeps q's backward
-    assert isinstance(model.layers["1"].attention.inner_attention, sbp.SBAttention)
+    assert isinstance(model.layers["1"].attention.inner_attention, SBAttention)
 
 
 def test_table_is_read_at_nominal_density_and_linear_fit():

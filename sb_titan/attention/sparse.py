@@ -17,17 +17,19 @@ from sb_titan.attention.selection import AttnStats, select_blocks
 BACKENDS = ("auto", "torch", "triton")
 
 
-def _use_triton(backend: str, device: torch.device) -> bool:
+def resolve_backend(backend: str, device_type: str) -> str:
+    """What `backend` runs on tensors of `device_type`: `auto` is Triton on CUDA and
+    PyTorch elsewhere; Triton off CUDA only in the interpreter (TRITON_INTERPRET=1)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
-        return device.type == "cuda"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton" if device_type == "cuda" else "torch"
+    if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {device.type}); "
+            f"backend='triton' needs CUDA tensors (got {device_type}); "
             "set TRITON_INTERPRET=1 to run the kernels in the interpreter, or use backend='torch'"
         )
-    return backend == "triton"
+    return backend
 
 
 def sparse_attention(
@@ -46,7 +48,7 @@ def sparse_attention(
 
     Returns (out [B, Hq, L, D], AttnStats with per-row density and recall).
     """
-    triton = _use_triton(backend, q.device)
+    triton = resolve_backend(backend, q.device.type) == "triton"
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     with torch.no_grad():
         table, stats = select_blocks(

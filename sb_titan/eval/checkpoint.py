@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from sb_titan.attention.module import SparseAttentionConfig
 from sb_titan.data.tokenizer import EOS, TOKENIZER_DIR
 from sb_titan.models.qwen2_5 import (
     Qwen25Dims,
@@ -25,6 +24,7 @@ from sb_titan.models.qwen2_5 import (
     model_registry,
     read_hf_config,
 )
+from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
 
 _STEP = re.compile(r"^step-(\d+)$")
 

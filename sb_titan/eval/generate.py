@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.module import measurement_paused
+from sb_titan.models.qwen2_5.attention import measurement_paused
 
 
 class CachedAttention(nn.Module):

@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-POLICIES = ("mass", "topk")
-
+from sb_titan.attention.selection import POLICIES
 
 MicroBatch = Sequence[int]
 

@@ -27,7 +27,7 @@ from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
-from sb_titan.attention.module import SBAttention, SparseAttentionConfig
+from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
 
 _LINEAR_INIT: dict[str, Callable] = {
     "weight": partial(nn.init.normal_, std=0.02),

@@ -17,10 +17,8 @@ from torchtitan.protocols.module import Module
 
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import AttnStats
-
-POLICIES = ("mass", "topk")
-BACKENDS = ("auto", "torch", "triton")
+from sb_titan.attention.selection import POLICIES, AttnStats
+from sb_titan.attention.sparse import BACKENDS
 
 
 @dataclass(kw_only=True, slots=True)
