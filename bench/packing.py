@@ -32,7 +32,7 @@ import numpy as np
 from sb_titan.balance.sab import POLICIES, AnalyticCost, Planner, SABConfig
 from sb_titan.balance.step_shape import StepShape
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.plan_cli import TIMING_REPEATS, evaluate, print_table
+from sb_titan.tools.plan import TIMING_REPEATS, evaluate, print_table
 
 R = 65536
 SHAPE = StepShape(seq_len=R, dp=8, microbatches=8, rows=1)

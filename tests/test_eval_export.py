@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 
 from sb_titan.eval.checkpoint import load_from_config, load_from_hf, resolve_checkpoint
 from sb_titan.eval.generate import _meta
-from sb_titan.export import export_model, hf_config
-from sb_titan.export import main as export_main
+from sb_titan.tools.export import export_model, hf_config
+from sb_titan.tools.export import main as export_main
 
 transformers = pytest.importorskip("transformers")
 from conftest import DEBUG_TOML, tiny_hf_qwen2  # noqa: E402

@@ -10,7 +10,6 @@ import torch
 
 from sb_titan.data.tokenizer import load_tokenizer
 from sb_titan.eval.checkpoint import load_from_config
-from sb_titan.eval.cli import main as eval_main
 from sb_titan.eval.longbench import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
@@ -23,6 +22,7 @@ from sb_titan.eval.longbench import (
     sample_score_of,
     truncate_middle,
 )
+from sb_titan.tools.eval import main as eval_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 DEBUG_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "debug_cpu.toml"
@@ -135,7 +135,7 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):
         assert 0.0 <= rescored <= 100.0
 
     # dense through the checkpoint == dense through its HF export (same predictions)
-    from sb_titan.export import main as export_main
+    from sb_titan.tools.export import main as export_main
 
     export_main(
         [

@@ -11,9 +11,9 @@ import torch
 import sb_titan.eval.retrieval as retrieval
 from sb_titan.data.tokenizer import load_tokenizer
 from sb_titan.eval.checkpoint import load_from_config
-from sb_titan.eval.cli import main as eval_main
 from sb_titan.eval.generate import GenerationResult
 from sb_titan.eval.retrieval import ProbeBuilder, RetrievalConfig, parse_lengths, run_retrieval
+from sb_titan.tools.eval import main as eval_main
 
 DEBUG_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "debug_cpu.toml"
 

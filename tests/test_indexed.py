@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import sb_titan.prep as prep_module
+import sb_titan.tools.prep as prep_module
 from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
 from sb_titan.data.indexed import DatasetError, IndexedDataset
 from sb_titan.data.loader import pack_microbatch
 from sb_titan.data.tokenizer import BOS, load_tokenizer
-from sb_titan.prep import main, prep
+from sb_titan.tools.prep import main, prep
 
 DOCS = [
     "key 12 maps to 34 . recall key 12 : 34 .",

@@ -347,7 +347,7 @@ def test_density_store_rewind_and_horizon():
 
 
 def test_sb_plan_cli_writes_json(tmp_path, capsys):
-    from sb_titan.plan_cli import main
+    from sb_titan.tools.plan import main
 
     out = tmp_path / "plan.json"
     argv = ["--data", "synthetic", "--docs", "3000", "--seq-len", "1024", "--dp", "2"]

@@ -58,7 +58,7 @@ def test_step_shape_refuses_what_does_not_divide(overrides, world, needle):
 
 def test_sb_plan_with_a_config_plans_the_trainers_step(capsys):
     """Crashed with AttributeError (`SBTrainer._configure_loader`) before."""
-    from sb_titan.plan_cli import main
+    from sb_titan.tools.plan import main
 
     argv = ["--data", "synthetic", "--docs", "2000", "--config", str(E2E)]
     assert main(argv + ["--world-size", "2", "--steps", "2", "--policy", "tokens"]) == 0

@@ -2,15 +2,14 @@
 
 Byte-level so any text (sb-prep input, LongBench prompts) encodes without unknowns;
 trained on the synthetic corpus's vocabulary so synthetic documents are compact.
-Rebuild with `python -m sb_titan.data.tokenizer` (deterministic).
+Rebuild with `python -m sb_titan.tools.build_tokenizer` (deterministic).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 VOCAB_SIZE = 1024
@@ -22,28 +21,3 @@ def load_tokenizer(path: str | Path = TOKENIZER_DIR) -> Tokenizer:
     if not file.is_file():
         raise FileNotFoundError(f"tokenizer: {file} not found (expected a tokenizers JSON file)")
     return Tokenizer.from_file(str(file))
-
-
-def build_tokenizer(out_dir: Path = TOKENIZER_DIR) -> Tokenizer:
-    from sb_titan.data.synthetic import training_text
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[BOS, EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(training_text(), trainer=trainer)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
-    config = {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "add_bos_token": False}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tok
-
-
-if __name__ == "__main__":
-    t = build_tokenizer()
-    print(f"wrote {TOKENIZER_DIR} (vocab {t.get_vocab_size()})")
