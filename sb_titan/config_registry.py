@@ -6,12 +6,12 @@ these functions are also usable directly from Python.
 
 from __future__ import annotations
 
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
+from sb_titan.checkpoint_integrity import IntegrityCheckpointManager
 from sb_titan.data.loader import SBDataLoader
 from sb_titan.data.tokenizer import TOKENIZER_DIR
 from sb_titan.trainer import SBTrainer
@@ -36,7 +36,7 @@ def sb_titan_base() -> SBTrainer.Config:
             disable_cuda_graphs=True,
         ),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
-        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        checkpoint=IntegrityCheckpointManager.Config(interval=10, last_save_model_only=False),
         activation_checkpoint=None,
     )
     # The plain baseline; configs turn on SAB / DST with a latency profile.

@@ -1,7 +1,8 @@
 """Entry point: `python -m sb_titan.train --config_file X.toml [--section.key value ...]`.
 
-run_train.sh launches this under torchrun. Config problems exit with status 2 and one
-message naming the file and key (no traceback); everything else is TorchTitan's.
+run_train.sh launches this under torchrun. Config problems and checkpoints that fail
+verification (sb_titan/checkpoint_integrity.py) exit with status 2 and one message naming
+the file and key or step (no traceback); everything else is TorchTitan's.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import sys
 
 import sb_titan  # noqa: F401  (compat shims before torchtitan's trainer is imported)
+from sb_titan.checkpoint_integrity import CheckpointIntegrityError, check_checkpoint_folder
 from sb_titan.config.toml import ConfigError, load_config
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
@@ -69,9 +71,15 @@ def main(argv: list[str] | None = None) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"sb_titan: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    if check_only:
-        return
-    run(config)
+    try:
+        if check_only:
+            check_checkpoint_folder(config)  # before ranks spawn: one line, no traceback
+            return
+        run(config)
+    except CheckpointIntegrityError as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"sb_titan: checkpoint error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run(config) -> None:

@@ -39,6 +39,7 @@ from sb_titan.balance.dst import DSTConfig, DSTDecision, sensitive_recall
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import step_budgets
+from sb_titan.checkpoint_integrity import IntegrityCheckpointManager
 from sb_titan.data.source import check_vocabulary
 from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
@@ -81,6 +82,9 @@ class SBTrainer(Trainer):
         sab: SABConfig = field(default_factory=SABConfig)
         dst: DSTConfig = field(default_factory=DSTConfig)
         cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+        checkpoint: IntegrityCheckpointManager.Config = field(
+            default_factory=IntegrityCheckpointManager.Config
+        )
 
         def rebuild_model_spec(self) -> None:
             """model_spec is hidden from the CLI; it is always derived from [model] and
