@@ -123,18 +123,16 @@ def heldout_docs(row_len: int) -> list[torch.Tensor]:
 def heldout_loss(model, docs: list[torch.Tensor], budget: float) -> dict[str, float]:
     """Token-mean next-token loss, overall and on the recalled values (' recall key K : V')."""
     from sb_titan.eval.generate import _meta
-    from sb_titan.models.qwen2_5.attention import measurement_paused
 
     total = count = 0.0
     for doc in docs:
         tokens = doc[None]
         L = tokens.shape[1]
-        with measurement_paused():
-            logits = model(
-                tokens,
-                positions=torch.arange(L)[None],
-                attention_masks=_meta(1, L, budget, tokens.device),
-            )
+        logits = model(
+            tokens,
+            positions=torch.arange(L)[None],
+            attention_masks=_meta(1, L, budget, tokens.device),
+        )
         loss = F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:], reduction="sum")
         total += float(loss)
         count += L - 1

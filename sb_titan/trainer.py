@@ -41,14 +41,14 @@ from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import step_budgets
 from sb_titan.checkpoint_integrity import IntegrityCheckpointManager
 from sb_titan.data.source import check_vocabulary
-from sb_titan.measure import BlockClock, instrument_blocks
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
 from sb_titan.models.qwen2_5.attention import (
-    ATTENTION_OBSERVERS,
     SBAttention,
     SparseAttentionConfig,
 )
-from sb_titan.schedule import current_microbatch, microbatch_context
+from sb_titan.runtime.context import RunContext
+from sb_titan.runtime.measure import BlockClock, instrument_blocks
+from sb_titan.runtime.schedule import with_microbatch_schedules
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,25 +90,31 @@ class SBTrainer(Trainer):
             """model_spec is hidden from the CLI; it is always derived from [model] and
             [sparse_attention], so TOML and CLI overrides of those take effect. An HF
             initial load's config.json is checked here too (model_dims), before ranks spawn."""
-            self.model_spec = model_registry(
+            spec = model_registry(
                 self.model.flavor, attention=self.sparse_attention, dims=model_dims(self)
             )
+            self.model_spec = with_microbatch_schedules(spec)
             self.dst.policy = self.sparse_attention.policy
 
     def __init__(self, config: Config) -> None:
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
+        self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
+        self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
         _configure_loader(config, copy.deepcopy(self.cost_model))
         super().__init__(config)
         check_vocabulary(  # also run before spawning; here for launches without run_train.sh
             self.dataloader.source, config.model_spec.model.vocab_size, config.model.flavor
         )
+        if self.parallel_dims.pp_enabled:
+            self.pp_schedule.run_context = self._run
         self._clock = BlockClock(self.device)
-        instrument_blocks(self.model_parts, self._clock)
+        instrument_blocks(self.model_parts, self._clock, self._run)
         if config.sparse_attention.record:
-            ATTENTION_OBSERVERS.append(self._record_attention)
+            for module in self._attention_modules():
+                module.recorder = self._record_attention
 
     # -- per micro-batch metadata -----------------------------------------------------------
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor):
@@ -118,10 +124,12 @@ class SBTrainer(Trainer):
             self._log_samples(plan, mb_index, budget)
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
+        stats = self._mb_stats.setdefault(mb_index, positions.new_zeros(4, dtype=torch.float32))
         extra["attention_masks"] = AttnMeta(
             doc_id=doc_ids_from_positions(positions),
             budget=torch.full((positions.shape[0],), budget, device=positions.device),
             microbatch=torch.tensor(mb_index),
+            stats=stats,
         )
         return inputs, labels, extra
 
@@ -160,25 +168,23 @@ class SBTrainer(Trainer):
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
-        with microbatch_context(0, input_dict["microbatch"], "forward_backward"):
+        with self._run.microbatch(0, input_dict["microbatch"], "forward_backward"):
             return super().forward_backward_step(
                 input_dict=input_dict, labels=labels, global_valid_tokens=global_valid_tokens
             )
 
     def train_step(self, data_iterator) -> None:
         self._clock.reset()
+        self._mb_stats = {}
         t0 = _now(self.device)
         super().train_step(data_iterator)
         self._after_step(_now(self.device) - t0)
 
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
         seconds = self._clock.seconds()
-        stats: dict[int, list[float]] = {}
-        for module in self._attention_modules():
-            for mb, t in module.pop_stats().items():
-                acc = stats.setdefault(mb, [0.0, 0.0, 0.0, 0.0])
-                for i, v in enumerate(t.tolist()):
-                    acc[i] += v
+        # [density_sum, rows, recall_sum, tokens] of the sparse layers (one host copy)
+        totals = {mb: t.tolist() for mb, t in self._mb_stats.items()}
+        stats = {mb: v for mb, v in totals.items() if v[1] > 0}
         return {
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
@@ -289,7 +295,9 @@ class SBTrainer(Trainer):
             f.write(json.dumps(record) + "\n")
 
     def _record_attention(self, module: SBAttention, meta: AttnMeta, phase: str) -> None:
-        ctx = current_microbatch()
+        if not self._run.measuring:  # the pipeline's shape inference
+            return
+        ctx = self._run.current()
         doc_lens = [
             torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in meta.doc_id
         ]

@@ -16,6 +16,10 @@ class AttnMeta(NamedTuple):
     doc_id: torch.Tensor  # [B, L] int32: document index of each token within its row
     budget: torch.Tensor  # [B] float32: attention budget beta of each row
     microbatch: torch.Tensor | None = None  # 0-d int64 on CPU: index within the step
+    stats: torch.Tensor | None = None
+    """[4] float32 the sparse layers add their AttnStats.totals() into (the trainer makes
+    one per micro-batch and reads it after the step): statistics leave the transformer
+    block as a tensor, not as a Python side effect."""
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:

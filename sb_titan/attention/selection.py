@@ -47,6 +47,14 @@ class AttnStats(NamedTuple):
     recall: torch.Tensor  # [B] float32: kept est. mass, mean over attending query tokens
     tokens: torch.Tensor  # [B] float32: attending query tokens (what recall averages over)
 
+    def totals(self) -> torch.Tensor:
+        """[density sum, rows, token-weighted recall sum, attending tokens]: sums that
+        add up over rows, layers and micro-batches (their ratios are the means)."""
+        rows = self.density.new_tensor(self.density.numel())
+        return torch.stack(
+            [self.density.sum(), rows, (self.recall * self.tokens).sum(), self.tokens.sum()]
+        )
+
 
 def attending_tokens(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, NB] float32: tokens per query block that belong to a document of >= 2 tokens.

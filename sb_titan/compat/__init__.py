@@ -5,6 +5,7 @@ never on a hard-coded version, so on a CUDA machine with a newer torch they are 
 Nothing here runs at import: entry points call `install()` (sb-train, the tools, the
 TorchTitan-native launch through config_registry), and import order does not matter.
 
+    autograd.py     whether autograd is running a backward (recompute detection)
     device.py       TorchTitan's device handling on a machine without an accelerator
     distributed.py  set_timeout backport; gloo's missing PREMUL_SUM under FSDP
     pipelining.py   the pre-split pipeline step() (torch < 2.14); a schedule's settings

@@ -20,7 +20,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.models.qwen2_5.attention import measurement_paused
 
 
 class CachedAttention(nn.Module):
@@ -87,10 +86,7 @@ def forward_last_logits(
     skip = model._skip_lm_head
     model._skip_lm_head = True
     try:
-        with measurement_paused():
-            h = model(
-                tokens, positions=positions, attention_masks=_meta(B, L, budget, tokens.device)
-            )
+        h = model(tokens, positions=positions, attention_masks=_meta(B, L, budget, tokens.device))
     finally:
         model._skip_lm_head = skip
     return model.lm_head(h[:, -1]).float()

@@ -201,8 +201,6 @@ def attention_table(grid: AttentionGrid, times, settings: ProfileSettings) -> tu
                     "seconds_per_doc_and_layer": secs,
                 }
             )
-    for module, _ in grid.kinds:
-        module.reset_stats()
     return table.tolist(), raw
 
 

@@ -8,8 +8,7 @@ the metadata of the micro-batch it is running.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,8 +16,9 @@ from torchtitan.protocols.module import Module
 
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import POLICIES, AttnStats
-from sb_titan.attention.sparse import BACKENDS
+from sb_titan.attention.selection import POLICIES
+from sb_titan.attention.sparse import BACKENDS, sparse_attention
+from sb_titan.compat.autograd import in_backward_recompute
 
 
 @dataclass(kw_only=True, slots=True)
@@ -48,7 +48,11 @@ class SparseAttentionConfig:
 
 
 class SBAttention(Module):
-    """Document-masked causal attention; sparse under the micro-batch's budget."""
+    """Document-masked causal attention; sparse under the micro-batch's budget.
+
+    Statistics (density, recall) go into the micro-batch's `AttnMeta.stats` tensor.
+    `recorder`, when a trainer sets one (debug: `[sparse_attention] record`), is called
+    with (module, meta, phase) at every forward and when backward reaches the output."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
@@ -60,13 +64,7 @@ class SBAttention(Module):
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.config = config
-        self.reset_stats()
-
-    def reset_stats(self) -> None:
-        """Per-micro-batch sums of realised density over rows and of recall over
-        attending tokens (kept on device, read once per step, so measuring adds no
-        per-layer host sync)."""
-        self.stats: dict[int, list[torch.Tensor]] = {}
+        self.recorder: Callable[[SBAttention, AttnMeta, str], None] | None = None
 
     def forward(
         self,
@@ -83,75 +81,28 @@ class SBAttention(Module):
                 "SBAttention needs the micro-batch's AttnMeta (document layout and "
                 f"budget) as attention_masks, got {type(attention_masks).__name__}"
             )
+        meta = attention_masks
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
-        doc_id, budget = attention_masks.doc_id, attention_masks.budget
-        measuring = not _paused
-        for observer in ATTENTION_OBSERVERS if measuring else ():
-            observer(self, attention_masks, "forward")
+        if self.recorder is not None:
+            self.recorder(self, meta, "forward")
         if self.config.sparse:
-            from sb_titan.attention.sparse import sparse_attention
-
             out, stats = sparse_attention(
                 q,
                 k,
                 v,
-                doc_id,
-                budget,
+                meta.doc_id,
+                meta.budget,
                 policy=self.config.policy,
                 block_size=self.config.block_size,
                 scale=scale,
                 backend=self.config.backend,
             )
-            if measuring:
-                self._record(attention_masks, stats)
+            # Activation recomputation repeats the forward inside backward: count once.
+            if meta.stats is not None and not in_backward_recompute():
+                meta.stats.add_(stats.totals())
         else:
-            out = dense_document_attention(q, k, v, doc_id, scale)
-        if measuring and ATTENTION_OBSERVERS and out.requires_grad:
-            out.register_hook(lambda grad: _notify_backward(self, attention_masks))
+            out = dense_document_attention(q, k, v, meta.doc_id, scale)
+        if self.recorder is not None and out.requires_grad:
+            recorder = self.recorder
+            out.register_hook(lambda grad: recorder(self, meta, "backward"))
         return out.transpose(1, 2)
-
-    @torch.no_grad()
-    def _record(self, meta: AttnMeta, stats: AttnStats) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # activation-checkpoint recompute inside backward: already counted
-        mb = 0 if meta.microbatch is None else int(meta.microbatch)
-        rows = stats.density.new_tensor(stats.density.numel())
-        sums = [stats.density.sum(), rows, (stats.recall * stats.tokens).sum(), stats.tokens.sum()]
-        self.stats.setdefault(mb, []).append(torch.stack(sums))
-
-    def pop_stats(self) -> dict[int, torch.Tensor]:
-        """micro-batch -> [density_sum, rows, recall_sum, attending_tokens] of the sparse
-        layers since the last call (recall_sum is token-weighted; dense layers are not
-        counted: density and recall refer to sparse layers)."""
-        out = {mb: torch.stack(v).sum(0) for mb, v in self.stats.items()}
-        self.stats = {}
-        return out
-
-
-_paused: list[bool] = []
-
-
-@contextlib.contextmanager
-def measurement_paused() -> Iterator[None]:
-    """Forwards that are not training compute (the pipeline's shape/metadata
-    inference) must not count in the statistics or reach the observers."""
-    _paused.append(True)
-    try:
-        yield
-    finally:
-        _paused.pop()
-
-
-def is_measuring() -> bool:
-    return not _paused
-
-
-def _notify_backward(module: SBAttention, meta: AttnMeta) -> None:
-    for observer in ATTENTION_OBSERVERS:
-        observer(module, meta, "backward")
-
-
-ATTENTION_OBSERVERS: list = []
-"""Callables `(module, attn_meta, phase)` run at every attention forward (and
-recompute) and when its backward reaches the attention output; the trainer's
-attention recorder uses them to show which budget and layout each stage computed with."""

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.models.qwen2_5.attention import is_measuring
+from sb_titan.runtime.context import RunContext
 
 
 class BlockClock:
@@ -76,15 +76,20 @@ class _BackwardMark(torch.autograd.Function):
         return grad, None, None, None
 
 
-def instrument_blocks(model_parts: list[nn.Module], clock: BlockClock) -> int:
-    """Wrap the forward of every decoder block; returns how many were wrapped."""
+def instrument_blocks(model_parts: list[nn.Module], clock: BlockClock, context: RunContext) -> int:
+    """Time every decoder block through forward hooks (no rebound forward): ours run
+    after FSDP's pre-forward hook (its all-gather is not timed) and, prepended, before
+    its post-forward hook, so FSDP's backward hooks sit outside our marks too.
+    Returns how many blocks were instrumented."""
     n = 0
     for part in model_parts:
         layers = getattr(part, "layers", None)
         if layers is None:
             continue
         for block in layers.values():
-            _wrap(block, clock, id(block))
+            timer = _BlockTimer(clock, context, id(block))
+            block.register_forward_pre_hook(timer.before, with_kwargs=True)
+            block.register_forward_hook(timer.after, with_kwargs=True, prepend=True)
             n += 1
     return n
 
@@ -96,21 +101,28 @@ def _microbatch(args: tuple, kwargs: dict) -> int:
     return 0
 
 
-def _wrap(block: nn.Module, clock: BlockClock, block_id: int) -> None:
-    inner = block.forward
+class _BlockTimer:
+    """Starts the clock before one block's forward and stops it after; the backward
+    marks time its backward (the output's runs first, the input's last)."""
 
-    def forward(x: torch.Tensor, *args, **kwargs):
-        if not is_measuring():  # e.g. the pipeline's metadata inference
-            return inner(x, *args, **kwargs)
-        key = (_microbatch(args, kwargs), block_id)
-        track = torch.is_grad_enabled() and x.requires_grad
-        if track:
-            x = _BackwardMark.apply(x, clock, key, False)  # backward reaches it last: stop
-        clock.start(key)
-        out = inner(x, *args, **kwargs)
-        clock.stop(key)
-        if track:
-            out = _BackwardMark.apply(out, clock, key, True)  # backward reaches it first
-        return out
+    def __init__(self, clock: BlockClock, context: RunContext, block_id: int) -> None:
+        self.clock, self.context, self.block_id = clock, context, block_id
 
-    block.forward = forward
+    def before(self, module: nn.Module, args: tuple, kwargs: dict):
+        if not self.context.measuring:  # e.g. the pipeline's shape inference
+            return None
+        key = (_microbatch(args, kwargs), self.block_id)
+        x = args[0]
+        if torch.is_grad_enabled() and x.requires_grad:
+            args = (_BackwardMark.apply(x, self.clock, key, False), *args[1:])  # stops
+        self.clock.start(key)
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor):
+        if not self.context.measuring:
+            return None
+        key = (_microbatch(args, kwargs), self.block_id)
+        self.clock.stop(key)
+        if torch.is_grad_enabled() and out.requires_grad:
+            return _BackwardMark.apply(out, self.clock, key, True)  # backward starts here
+        return None
