@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-import sb_titan  # noqa: F401  (compat shims before torchtitan's trainer is imported)
+from sb_titan import compat
 from sb_titan.checkpoint_integrity import CheckpointIntegrityError, check_checkpoint_folder
 from sb_titan.config.toml import ConfigError, load_config
 
@@ -46,17 +46,18 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def parse(argv: list[str], check: bool = False):
     """The run's config; with `check`, also everything the launch can verify before
-    spawning ranks (sb_titan.preflight)."""
+    spawning ranks (sb_titan.config.preflight)."""
     path, overrides = split_config_file(argv)
     config = load_config(path, overrides)
     if check:
-        from sb_titan.preflight import preflight
+        from sb_titan.config.preflight import preflight
 
         preflight(config, path)
     return config
 
 
 def main(argv: list[str] | None = None) -> None:
+    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
     argv = sys.argv[1:] if argv is None else argv
     if any(a in HELP_FLAGS for a in argv):
         print(USAGE)  # tyro then prints every override and exits 0

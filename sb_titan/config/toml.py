@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 def load_config(path: str | Path | None, cli_args: list[str] | None = None):
     """Defaults ← TOML file ← CLI overrides, with the model spec rebuilt at the end."""
-    from sb_titan.config_registry import sb_titan_base
+    from sb_titan.config.defaults import sb_titan_base
 
     config = sb_titan_base()
     if path is not None:

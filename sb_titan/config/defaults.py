@@ -1,8 +1,6 @@
-"""Base configs, TorchTitan's convention: `--module sb_titan --config sb_titan_debug`.
-
-A TOML file (sb_titan/config/toml.py) is applied on top of `sb_titan_base()`;
-these functions are also usable directly from Python.
-"""
+"""The defaults every TOML config starts from (sb_titan/config/toml.py applies a file on
+top of `sb_titan_base()`); models/qwen2_5/config_registry.py exposes them to TorchTitan's
+own launcher."""
 
 from __future__ import annotations
 
@@ -44,7 +42,3 @@ def sb_titan_base() -> SBTrainer.Config:
     config.dst.enabled = False
     config.rebuild_model_spec()
     return config
-
-
-def sb_titan_debug() -> SBTrainer.Config:
-    return sb_titan_base()
