@@ -29,7 +29,8 @@ CPU details that matter for speed (measured, see docs/attention.md):
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -320,6 +321,25 @@ def block_sparse_forward(
     return _from_q_blocks(out, q.shape, hkv, q.dtype), lse
 
 
+@dataclass
+class _BackwardBlocks:
+    """The backward's operands, cut into blocks once and shared by dQ and dK/dV."""
+
+    qblk: torch.Tensor  # [R, G, Bs, D] q * scale * log2(e)
+    doblk: torch.Tensor  # [R, G, Bs, D]
+    kblk: torch.Tensor  # [R, Bs, D]
+    vblk: torch.Tensor
+    deltablk: torch.Tensor  # [R, G, Bs, 1] rowsum(dO * O)
+    lseblk: torch.Tensor  # [R, G, Bs, 1] base 2
+    masks: Any
+    nb: int
+    hkv: int
+    bs: int
+    G: int
+    D: int
+    width: int
+
+
 def block_sparse_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -341,39 +361,55 @@ def block_sparse_backward(
     hkv, bs = k.shape[1], table.block_size
     nb, G = num_blocks(L, bs), Hq // hkv
     wd = _work_dtype(q.dtype)
-    qblk = _to_q_blocks(q, hkv, bs, wd, scale * _LOG2E)  # [R, G, Bs, D]
-    doblk = _to_q_blocks(grad_out, hkv, bs, wd)
-    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [R, Bs, D]
     delta = torch.linalg.vecdot(grad_out.to(wd), out.to(wd))[..., None]  # rowsum(dO * O)
-    deltablk = _to_q_blocks(delta, hkv, bs, wd)  # [R, G, Bs, 1]
-    lseblk = _to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E)  # base 2
-    masks = _masks(doc_id, nb, bs, wd)
-    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
-    width = _chunk_pairs(gbb, q.device)
+    blocks = _BackwardBlocks(
+        qblk=_to_q_blocks(q, hkv, bs, wd, scale * _LOG2E),
+        doblk=_to_q_blocks(grad_out, hkv, bs, wd),
+        kblk=_to_blocks(k, bs, wd),
+        vblk=_to_blocks(v, bs, wd),
+        deltablk=_to_q_blocks(delta, hkv, bs, wd),
+        lseblk=_to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E),
+        masks=_masks(doc_id, nb, bs, wd),
+        nb=nb,
+        hkv=hkv,
+        bs=bs,
+        G=G,
+        D=D,
+        width=_chunk_pairs(G * bs * bs, q.device),
+    )
+    dq = _from_q_blocks(_backward_dq(blocks, table, wd, q.device), q.shape, hkv, q.dtype, scale)
+    dk, dv = _backward_dkdv(blocks, table, wd, q.device)
+    # qblk carries scale * log2(e), so dk picks up a factor log2(e) too much.
+    dk = dk.mul_(math.log(2.0)).view(B, hkv, nb * bs, D)[:, :, :L]
+    return dq, dk.to(k.dtype), dv.view(B, hkv, nb * bs, D)[:, :, :L].to(v.dtype)
 
-    # dQ: rows of the kv table (query block -> kept key blocks).
-    dq = torch.empty_like(qblk)
+
+def _backward_dq(x: _BackwardBlocks, table: BlockTable, wd, device) -> torch.Tensor:
+    """dQ over rows of the kv table (query block -> kept key blocks)."""
+    nb, hkv, bs, G, D, width = x.nb, x.hkv, x.bs, x.G, x.D, x.width
+    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
+    dq = torch.empty_like(x.qblk)
     kv_index = table.kv_index.long().flatten(0, 2)
     plan = _plan(table.kv_count, width)
     sizes = [(0, gbb), (0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0)]
     sizes += [(gbd, 0), (gbd, 0)]
-    buf = _Buffers(plan, width, sizes, wd, q.device)
+    buf = _Buffers(plan, width, sizes, wd, device)
     for c, rows in plan:
         n = len(rows)
         base, bi = _blocks_of(rows, nb, hkv)
-        qb = _gather(qblk, rows, buf(4, n, gb, D))
-        dob = _gather(doblk, rows, buf(5, n, gb, D))
-        lse_r = _gather(lseblk, rows, buf(6, n, gb, 1))
-        delta_r = _gather(deltablk, rows, buf(7, n, gb, 1))
+        qb = _gather(x.qblk, rows, buf(4, n, gb, D))
+        dob = _gather(x.doblk, rows, buf(5, n, gb, D))
+        lse_r = _gather(x.lseblk, rows, buf(6, n, gb, 1))
+        delta_r = _gather(x.deltablk, rows, buf(7, n, gb, 1))
         dq_r = buf(8, n, gb, D)
         for s0, s1 in _slices(c, width):
             idx = kv_index[rows, s0:s1]
             krows = base[:, None] + idx
             w = s1 - s0
-            kb = _gather(kblk, krows, buf(2, n, w * bs, D))
-            vb = _gather(vblk, krows, buf(3, n, w * bs, D))
+            kb = _gather(x.kblk, krows, buf(2, n, w * bs, D))
+            vb = _gather(x.vblk, krows, buf(3, n, w * bs, D))
             p = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
-            _mask_kv_chunk(p, bi, idx, masks, bs, diag=s1 == c)
+            _mask_kv_chunk(p, bi, idx, x.masks, bs, diag=s1 == c)
             p.sub_(lse_r).exp2_()
             ds = torch.bmm(dob, vb.transpose(1, 2), out=buf(1, n, gb, w * bs))
             ds.sub_(delta_r).mul_(p)
@@ -382,32 +418,39 @@ def block_sparse_backward(
             else:
                 dq_r.add_(torch.bmm(ds, kb, out=buf(9, n, gb, D)))
         dq.index_copy_(0, rows, dq_r.view(n, G, bs, D))
+    return dq
 
-    # dK, dV: rows of the transposed table (key block -> query blocks that kept it).
-    dk, dv = torch.empty_like(kblk), torch.empty_like(vblk)
+
+def _backward_dkdv(
+    x: _BackwardBlocks, table: BlockTable, wd, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK, dV over rows of the transposed table (key block -> query blocks that kept it)."""
+    nb, hkv, bs, G, D, width = x.nb, x.hkv, x.bs, x.G, x.D, x.width
+    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
+    dk, dv = torch.empty_like(x.kblk), torch.empty_like(x.vblk)
     q_index = table.q_index.long().flatten(0, 2)
     plan = _plan(table.q_count, width)
     sizes = [(0, gbb), (0, gbb), (0, gbd), (0, gbd), (bd, 0), (bd, 0), (0, gb), (0, gb)]
     sizes += [(bd, 0), (bd, 0), (bd, 0)]
-    buf = _Buffers(plan, width, sizes, wd, q.device)
+    buf = _Buffers(plan, width, sizes, wd, device)
     for c, rows in plan:
         n = len(rows)
         base, bj = _blocks_of(rows, nb, hkv)
         j = rows - base
-        kb = _gather(kblk, rows, buf(4, n, bs, D))
-        vb = _gather(vblk, rows, buf(5, n, bs, D))
+        kb = _gather(x.kblk, rows, buf(4, n, bs, D))
+        vb = _gather(x.vblk, rows, buf(5, n, bs, D))
         dk_r, dv_r = buf(8, n, bs, D), buf(9, n, bs, D)
         for s0, s1 in _slices(c, width):
             idx = q_index[rows, s0:s1]  # ascending; q_index[:, 0] == j (the diagonal)
             qrows = base[:, None] + idx
             w = s1 - s0
-            qg = _gather(qblk, qrows, buf(2, n, w * gb, D))
-            dog = _gather(doblk, qrows, buf(3, n, w * gb, D))
+            qg = _gather(x.qblk, qrows, buf(2, n, w * gb, D))
+            dog = _gather(x.doblk, qrows, buf(3, n, w * gb, D))
             p = torch.bmm(qg, kb.transpose(1, 2), out=buf(0, n, w * gb, bs))
-            _mask_q_chunk(p, bj, j, bj[:, None] - j[:, None] + idx, masks, bs, diag=s0 == 0)
-            p.sub_(_gather(lseblk, qrows, buf(6, n, w * gb, 1))).exp2_()
+            _mask_q_chunk(p, bj, j, bj[:, None] - j[:, None] + idx, x.masks, bs, diag=s0 == 0)
+            p.sub_(_gather(x.lseblk, qrows, buf(6, n, w * gb, 1))).exp2_()
             ds = torch.bmm(dog, vb.transpose(1, 2), out=buf(1, n, w * gb, bs))
-            ds.sub_(_gather(deltablk, qrows, buf(7, n, w * gb, 1))).mul_(p)
+            ds.sub_(_gather(x.deltablk, qrows, buf(7, n, w * gb, 1))).mul_(p)
             if s0 == 0:
                 torch.bmm(p.transpose(1, 2), dog, out=dv_r)
                 torch.bmm(ds.transpose(1, 2), qg, out=dk_r)
@@ -416,11 +459,7 @@ def block_sparse_backward(
                 dk_r.add_(torch.bmm(ds.transpose(1, 2), qg, out=buf(10, n, bs, D)))
         dv.index_copy_(0, rows, dv_r)
         dk.index_copy_(0, rows, dk_r)
-
-    dq = _from_q_blocks(dq, q.shape, hkv, q.dtype, scale)
-    # qblk carries scale * log2(e), so dk picks up a factor log2(e) too much.
-    dk = dk.mul_(math.log(2.0)).view(B, hkv, nb * bs, D)[:, :, :L]
-    return dq, dk.to(k.dtype), dv.view(B, hkv, nb * bs, D)[:, :, :L].to(v.dtype)
+    return dk, dv
 
 
 class BlockSparseAttention(torch.autograd.Function):
