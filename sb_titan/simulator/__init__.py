@@ -10,9 +10,9 @@ a CPU with the project's own planner, DST and cost model (docs/simulate.md).
     report.py     JSON, markdown table, Gantt chart
 """
 
-from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network
+from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
 from sb_titan.simulator.report import format_table, plot_timelines, report
-from sb_titan.simulator.run import Scenario, build_simulator, draw_lengths, simulate
+from sb_titan.simulator.run import build_simulator, draw_lengths, simulate
 from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_planner
 
 __all__ = [

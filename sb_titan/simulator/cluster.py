@@ -1,10 +1,14 @@
-"""The simulated cluster: DP x PP shape, schedule, rows, and its network."""
+"""What is simulated: the cluster (DP x PP shape, schedule, rows, network) and the
+scenario (model, data, planner and DST settings)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+from sb_titan.balance.dst import DSTConfig
+from sb_titan.balance.sab import SABConfig
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
@@ -59,3 +63,25 @@ class Cluster:
     @property
     def gpus(self) -> int:
         return self.dp * self.pp
+
+
+@dataclass
+class Scenario:
+    """What a run needs besides the cluster: model, data, planner and DST settings."""
+
+    flavor: str = "3b"
+    lengths: np.ndarray | None = None  # None: longtail-v1 at seq_len
+    data_name: str = "longtail-v1"
+    seed: int = 0
+    steps: int = 10
+    sab: SABConfig = field(default_factory=SABConfig)
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    block_size: int = 64
+    device: str | None = "h200"
+    profile: str | None = None
+    baseline_policy: str = "sequential"
+    density_exponent: float = 1.0
+    network: Network = field(default_factory=Network)
+    bwd_over_fwd: float = 2.0
+    first_less: int = 1
+    last_less: int = 1

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from sb_titan.balance.cost_model import (
     ANALYTIC_DEVICES,
 )
-from sb_titan.simulator.cluster import Cluster
+from sb_titan.simulator.cluster import Cluster, Scenario
 from sb_titan.simulator.step import Simulator, StepResult
-
-if TYPE_CHECKING:  # a run calls report(); report only reads the scenario's fields
-    from sb_titan.simulator.run import Scenario
 
 JSON_FORMAT = "sb_titan.simulate"
 

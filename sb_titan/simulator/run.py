@@ -5,41 +5,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from sb_titan.balance.dst import DSTConfig
-from sb_titan.balance.sab import SABConfig
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.models.qwen2_5 import FLAVORS
-from sb_titan.simulator.cluster import Cluster, Network
+from sb_titan.simulator.cluster import Cluster, Scenario
 from sb_titan.simulator.report import report
 from sb_titan.simulator.stages import build_cost_models
 from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_planner
-
-
-@dataclass
-class Scenario:
-    """What a run needs besides the cluster: model, data, planner and DST settings."""
-
-    flavor: str = "3b"
-    lengths: np.ndarray | None = None  # None: longtail-v1 at seq_len
-    data_name: str = "longtail-v1"
-    seed: int = 0
-    steps: int = 10
-    sab: SABConfig = field(default_factory=SABConfig)
-    dst: DSTConfig = field(default_factory=DSTConfig)
-    block_size: int = 64
-    device: str | None = "h200"
-    profile: str | None = None
-    baseline_policy: str = "sequential"
-    density_exponent: float = 1.0
-    network: Network = field(default_factory=Network)
-    bwd_over_fwd: float = 2.0
-    first_less: int = 1
-    last_less: int = 1
 
 
 def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:

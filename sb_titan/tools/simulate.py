@@ -25,9 +25,9 @@ from sb_titan.balance.cost_model import (
 )
 from sb_titan.balance.dst import ANCHORS
 from sb_titan.models.qwen2_5 import FLAVORS
-from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network
+from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
 from sb_titan.simulator.report import format_table, plot_timelines
-from sb_titan.simulator.run import Scenario, simulate
+from sb_titan.simulator.run import simulate
 from sb_titan.simulator.step import BASELINE_POLICIES
 
 

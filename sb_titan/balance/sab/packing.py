@@ -4,15 +4,11 @@ local moves, swaps and exchanges between the heaviest and the lightest."""
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
 from sb_titan.balance.sab.plan import Piece
-
-if TYPE_CHECKING:  # the planner owns a packing; a packing reads its sizes
-    from sb_titan.balance.sab.planner import Planner
-
 
 SEARCH_TARGETS = 4  # lightest micro-batches / ranks searched per move (on longtail-v1,
 
@@ -22,6 +18,14 @@ ITER_FACTOR = 4  # at most ITER_FACTOR x (micro-batches or ranks) + 32 moves per
 
 
 BALANCE_TOL = 1e-3  # a search stops once the heaviest is this close to the mean: finer
+
+
+class PackingShape(NamedTuple):
+    dp: int
+    microbatches: int  # per rank and step
+    rows: int  # per micro-batch
+    seq_len: int
+    max_tokens: int  # token cap per micro-batch
 
 
 class Packing:
@@ -37,10 +41,10 @@ class Packing:
     order); a piece's row is -1 while unplaced (carried to the next step).
     """
 
-    def __init__(self, planner: Planner, lens: np.ndarray, cost: np.ndarray) -> None:
-        self.dp, self.mbs, self.nrows = planner.dp, planner.microbatches, planner.rows
+    def __init__(self, shape: PackingShape, lens: np.ndarray, cost: np.ndarray) -> None:
+        self.dp, self.mbs, self.nrows = shape.dp, shape.microbatches, shape.rows
         self.n_mbs = self.dp * self.mbs
-        self.seq_len, self.max_tokens = planner.seq_len, planner.max_tokens
+        self.seq_len, self.max_tokens = shape.seq_len, shape.max_tokens
         self.lens, self.cost = lens, cost
         self.row = np.full(len(lens), -1, dtype=np.int64)
 

@@ -13,7 +13,7 @@ import numpy as np
 from sb_titan.balance.sab.config import SABConfig
 from sb_titan.balance.sab.cost import CostFn, DensityPrior, as_cost_fn
 from sb_titan.balance.sab.density_store import DensityStore
-from sb_titan.balance.sab.packing import Packing
+from sb_titan.balance.sab.packing import Packing, PackingShape
 from sb_titan.balance.sab.plan import MicroBatchPlan, Piece, StepPlan
 
 logger = logging.getLogger(__name__)
@@ -239,7 +239,8 @@ class Planner:
         starts = np.fromiter((p.start for p in window), dtype=np.int64, count=len(window))
         carried = np.arange(len(window)) >= n_carried  # False (first) for carried pieces
         order = np.lexsort((starts, ids, -cost, carried))
-        pack = Packing(self, lens, cost)
+        shape = PackingShape(self.dp, self.microbatches, self.rows, self.seq_len, self.max_tokens)
+        pack = Packing(shape, lens, cost)
         pack.greedy(order)
         pack.improve()
         deal = pack.deal()

@@ -1,0 +1,204 @@
+"""The package's shape, checked: layers import only downward (function-level imports
+included), no import cycles, and size limits (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+# Bottom up. A module may import its own layer's package and any layer below; packages
+# that share a layer (profiler, simulator) may not import each other.
+LAYERS = [
+    ["sb_titan_kernels"],
+    ["sb_titan.attention"],
+    ["sb_titan.models"],
+    ["sb_titan.balance"],
+    ["sb_titan.data"],
+    ["sb_titan.profiler", "sb_titan.simulator"],
+    ["sb_titan.runtime"],
+    ["sb_titan.config"],
+    ["sb_titan.eval"],
+    ["sb_titan.tools"],
+]
+ANYWHERE = ["sb_titan.compat"]  # imports nothing of the project; usable from any layer
+# TorchTitan finds a model's config registry beside the model; it is an entry point.
+ENTRY_POINTS = {"sb_titan.models.qwen2_5.config_registry": "sb_titan.tools"}
+PURE = ["sb_titan_kernels", "sb_titan.attention"]  # run on bare torch + Triton
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((REPO / "sb_titan").rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((REPO / "kernels").glob("*.py")):
+        stem = path.stem
+        out["sb_titan_kernels" + ("" if stem == "__init__" else f".{stem}")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Every project module `name` imports, at any depth of the file."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t in MODULES}
+    return out - {name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _package(name: str) -> str:
+    for group in LAYERS:
+        for pkg in group:
+            if name == pkg or name.startswith(pkg + "."):
+                return pkg
+    for pkg in ANYWHERE:
+        if name == pkg or name.startswith(pkg + "."):
+            return pkg
+    return name
+
+
+def _layer(name: str) -> int | None:
+    pkg = _package(ENTRY_POINTS.get(name, name))
+    return next((i for i, group in enumerate(LAYERS) if pkg in group), None)
+
+
+def test_every_module_has_a_layer():
+    homeless = [
+        n for n in MODULES if n != "sb_titan" and _layer(n) is None and _package(n) not in ANYWHERE
+    ]
+    assert not homeless, f"modules outside every layer: {homeless}"
+
+
+def test_imports_only_go_down():
+    wrong = []
+    for name, targets in GRAPH.items():
+        if name == "sb_titan":
+            continue
+        for target in targets:
+            if _package(target) in ANYWHERE or target == "sb_titan":
+                continue
+            mine, theirs = _layer(name), _layer(target)
+            if _package(name) in ANYWHERE:
+                wrong.append(f"{name} -> {target} (compat imports nothing of the project)")
+            elif theirs > mine or (theirs == mine and _package(target) != _package(name)):
+                if name not in ENTRY_POINTS:
+                    wrong.append(f"{name} -> {target}")
+                elif theirs > _layer(name):
+                    wrong.append(f"{name} -> {target}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components over every import, function-level too."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    # A package's __init__ re-exporting its modules is not a cycle of concepts.
+    real = [c for c in cycles if not _only_package_reexports(c)]
+    assert not real, f"import cycles: {real}"
+
+
+def _only_package_reexports(component: list[str]) -> bool:
+    inits = [n for n in component if MODULES[n].name == "__init__.py"]
+    rest = [n for n in component if n not in inits]
+    # acyclic once the package __init__ files are removed
+    sub = {n: GRAPH[n] & set(rest) for n in rest}
+    seen, done = set(), set()
+
+    def has_cycle(v):
+        seen.add(v)
+        for w in sub[v]:
+            if w in seen and w not in done:
+                return True
+            if w not in seen and has_cycle(w):
+                return True
+        done.add(v)
+        return False
+
+    return bool(inits) and not any(has_cycle(v) for v in rest if v not in seen)
+
+
+@pytest.mark.parametrize("package", PURE)
+def test_kernels_and_attention_never_import_torchtitan(package):
+    users = []
+    for name, path in MODULES.items():
+        if _package(name) != package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""]
+            if any(m.split(".")[0] == "torchtitan" for m in mods):
+                users.append(name)
+    assert not users, users
+
+
+def test_sizes():
+    """No module over ~500 lines and no function over ~80, kernels excepted."""
+    big = []
+    for name, path in MODULES.items():
+        if name.startswith("sb_titan_kernels"):
+            continue
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            big.append(f"{name}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    big.append(f"{name}.{node.name}: {n} lines")
+    assert not big, big
+
+
+def test_pyproject_lists_every_package():
+    import tomli
+
+    listed = set(
+        tomli.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
+    assert packages == listed, (packages - listed, listed - packages)
