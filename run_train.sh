@@ -21,14 +21,14 @@ LOG_RANK="${LOG_RANK:-0}"
 
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) exec .venv/bin/python -m sb_titan.train --config_file "$CONFIG_FILE" "$@" ;;
+    -h|--help) exec .venv/bin/python -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" ;;
   esac
 done
 
 # Fail fast, once, with one clear line on a bad config, profile or dataset (before
 # spawning ranks; sb_titan/preflight.py).
 WORLD_SIZE=$((NGPU * NNODES)) \
-  .venv/bin/python -m sb_titan.train --check-config --config_file "$CONFIG_FILE" "$@"
+  .venv/bin/python -m sb_titan.tools.train --check-config --config_file "$CONFIG_FILE" "$@"
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
@@ -43,4 +43,4 @@ fi
 
 exec .venv/bin/torchrun "${launch[@]}" --nproc_per_node="$NGPU" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m sb_titan.train --config_file "$CONFIG_FILE" "$@"
+  -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@"

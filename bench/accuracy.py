@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sb_titan.tb_events import read_scalars
+from sb_titan.runtime.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_cpu.toml"
@@ -67,7 +67,7 @@ def train(name: str, args: list[str], seed: int, steps: int, root: Path) -> Path
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "sb_titan.train",
+        "sb_titan.tools.train",
         "--config_file",
         str(CONFIG),
         "--dump_folder",

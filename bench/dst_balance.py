@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sb_titan.data.indexed import IndexedWriter
-from sb_titan.tb_events import read_scalars
+from sb_titan.runtime.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "dst_balance.json"
@@ -86,7 +86,7 @@ def write_config(path: Path, data: Path, steps: int, dst: bool, beta0: float) ->
 
 def launch(config: Path, dump: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "sb_titan.train", "--config_file", str(config), "--dump_folder", str(dump)]
+    cmd += ["-m", "sb_titan.tools.train", "--config_file", str(config), "--dump_folder", str(dump)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 

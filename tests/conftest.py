@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sb_titan.tb_events import read_scalars
+from sb_titan.runtime.tb_events import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug_cpu.toml"
@@ -37,7 +37,7 @@ def cpu_env(**extra: str) -> dict[str, str]:
 def torchrun(
     nproc: int, args: list[str], dump: Path, timeout: int = 300, config: Path = DEBUG_TOML
 ) -> subprocess.CompletedProcess:
-    """Run `python -m sb_titan.train` under a real torchrun with `nproc` CPU processes."""
+    """Run `python -m sb_titan.tools.train` under a real torchrun with `nproc` CPU processes."""
     cmd = [
         sys.executable,
         "-m",
@@ -45,7 +45,7 @@ def torchrun(
         "--standalone",
         f"--nproc_per_node={nproc}",
         "-m",
-        "sb_titan.train",
+        "sb_titan.tools.train",
         "--config_file",
         str(config),
         "--dump_folder",

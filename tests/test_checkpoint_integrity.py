@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import DEBUG_TOML, REPO, TINY, cpu_env, losses, scalars, torchrun
 
-from sb_titan.checkpoint_integrity import (
+from sb_titan.config.toml import load_config
+from sb_titan.eval.checkpoint import load_from_config
+from sb_titan.runtime.checkpoint import (
     MANIFEST,
     CheckpointIntegrityError,
     check_checkpoint_folder,
@@ -21,8 +23,6 @@ from sb_titan.checkpoint_integrity import (
     finalize,
     verify,
 )
-from sb_titan.config.toml import load_config
-from sb_titan.eval.checkpoint import load_from_config
 
 
 # -- synthetic folders (no torchrun) ------------------------------------------------------------
@@ -147,7 +147,7 @@ def _ckpt(*args: str) -> list[str]:
 
 
 def _entry(dump: Path, *args: str) -> list[str]:
-    """`python -m sb_titan.train` arguments, as conftest.torchrun passes them."""
+    """`python -m sb_titan.tools.train` arguments, as conftest.torchrun passes them."""
     return ["--config_file", str(DEBUG_TOML), "--dump_folder", str(dump), *TINY, *_ckpt(*args)]
 
 
@@ -190,7 +190,7 @@ def test_flipped_bytes_stop_the_resume_before_any_step(trained, tmp_path):
             *launcher,
             "--nproc_per_node=2",
             "-m",
-            "sb_titan.train",
+            "sb_titan.tools.train",
             *_entry(dump, "--training.steps", "6"),
         ]
     )
@@ -201,7 +201,7 @@ def test_flipped_bytes_stop_the_resume_before_any_step(trained, tmp_path):
     assert f"checkpoint step 4 is corrupted: {bad} has xxh3_64" in lines[0]
     assert "Training starts" not in out and not scalars(dump, "loss_metrics/global_avg_loss")
     # The launcher's check (run_train.sh runs it before torchrun) says the same.
-    check = _run([sys.executable, "-m", "sb_titan.train", "--check-config", *_entry(dump)])
+    check = _run([sys.executable, "-m", "sb_titan.tools.train", "--check-config", *_entry(dump)])
     assert check.returncode == 2 and f"checkpoint step 4 is corrupted: {bad}" in check.stderr
     # So do sb-export / sb-eval, which load the weights without the trainer.
     with pytest.raises(CheckpointIntegrityError, match="step 4 is corrupted.*__1_0.distcp"):

@@ -85,7 +85,14 @@ def test_cli_reports_one_clear_line_and_exit_code_2(tmp_path):
     """Through the real entry point (what run_train.sh calls before torchrun)."""
     path = _write(tmp_path, "[training]\nstepz = 3\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "sb_titan.train", "--check-config", "--config_file", str(path)],
+        [
+            sys.executable,
+            "-m",
+            "sb_titan.tools.train",
+            "--check-config",
+            "--config_file",
+            str(path),
+        ],
         cwd=REPO,
         env=cpu_env(),
         capture_output=True,
@@ -127,7 +134,9 @@ def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
     assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.train"]])
+@pytest.mark.parametrize(
+    "launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.tools.train"]]
+)
 def test_help_prints_usage_and_exits_0(launcher):
     """--help printed the help, then a config error, and exited 2."""
     proc = subprocess.run(

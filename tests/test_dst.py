@@ -270,7 +270,7 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
     """What every rank does after a step: measured (recall sum, tokens) per micro-batch
     → (budget, longest document, sensitive-token recall) → recall_model.update."""
     from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
-    from sb_titan.trainer import _StepMeasurements
+    from sb_titan.runtime.measurements import StepMeasurements
 
     def mb(*lens):
         return MicroBatchPlan(rows=[[Piece(i, 0, n) for i, n in enumerate(lens)]])
@@ -292,7 +292,7 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
             "stats": {0: [0.9 * 4, 4.0, 0.95 * 2160 * 4, 2160.0 * 4]},
         },
     ]  # [density sum, rows, recall sum, tokens] over 4 sparse layers
-    m = _StepMeasurements.from_gathered(gathered, plan, [[0.6], [1.0]])
+    m = StepMeasurements.from_gathered(gathered, plan, [[0.6], [1.0]])
     obs = m.recall_observations(plan, 64)
     assert [(b, n) for b, n, _ in obs] == [(0.6, 4096), (1.0, 2000)]
     want = [sensitive_recall([4096], 0.85, 64)[1], sensitive_recall([100, 60, 2000], 0.95, 64)[1]]

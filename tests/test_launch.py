@@ -79,7 +79,7 @@ def test_torchtitan_native_launch(tmp_path):
 
 def test_importing_sb_titan_has_no_side_effects():
     code = (
-        "import sb_titan, sb_titan.models.qwen2_5, sb_titan.data.loader, sb_titan.trainer;"
+        "import sb_titan, sb_titan.models.qwen2_5, sb_titan.data.loader, sb_titan.runtime.trainer;"
         "import torchtitan.tools.utils as u;"
         "print(u.device_type)"
     )

@@ -145,7 +145,7 @@ def test_initial_load_in_hf_sets_the_run_model_and_eval_agrees(hf_dir):
 
 def _check_config(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sb_titan.train", "--check-config", "--config_file", *args],
+        [sys.executable, "-m", "sb_titan.tools.train", "--check-config", "--config_file", *args],
         cwd=REPO,
         env=cpu_env(),
         capture_output=True,

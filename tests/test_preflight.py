@@ -10,7 +10,7 @@ import pytest
 from conftest import DEBUG_TOML, REPO, cpu_env
 
 from sb_titan.data.indexed import META, DatasetError, IndexedDataset, IndexedWriter
-from sb_titan.train import main
+from sb_titan.tools.train import main
 
 VOCAB = 1024  # the debug flavor's
 

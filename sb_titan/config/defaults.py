@@ -9,10 +9,10 @@ from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
-from sb_titan.checkpoint_integrity import IntegrityCheckpointManager
 from sb_titan.data.loader import SBDataLoader
 from sb_titan.data.tokenizer import TOKENIZER_DIR
-from sb_titan.trainer import SBTrainer
+from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
+from sb_titan.runtime.trainer import SBTrainer
 
 
 def sb_titan_base() -> SBTrainer.Config:

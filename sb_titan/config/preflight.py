@@ -22,7 +22,7 @@ def preflight(config: Any, path: str | Path | None) -> None:
     """Raise ConfigError, naming the config file, on the first problem found."""
     from sb_titan.balance.step_shape import step_shape
     from sb_titan.data.loader import build_source
-    from sb_titan.trainer import build_run_cost_model
+    from sb_titan.runtime.trainer import build_run_cost_model
 
     where = str(path or "<defaults>")
     try:

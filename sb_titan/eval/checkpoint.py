@@ -70,7 +70,7 @@ def load_dcp_into(model: nn.Module, checkpoint: str | Path) -> Path:
     """Fill `model`'s parameters from a DCP checkpoint (model-only or full)."""
     import torch.distributed.checkpoint as dcp
 
-    from sb_titan.checkpoint_integrity import MANIFEST, verify
+    from sb_titan.runtime.checkpoint import MANIFEST, verify
 
     step_dir = resolve_checkpoint(checkpoint)
     if (step_dir / MANIFEST).is_file():  # written by training; older checkpoints lack it

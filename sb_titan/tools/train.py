@@ -1,4 +1,4 @@
-"""Entry point: `python -m sb_titan.train --config_file X.toml [--section.key value ...]`.
+"""Entry point: `python -m sb_titan.tools.train --config_file X.toml [--section.key value ...]`.
 
 run_train.sh launches this under torchrun. Config problems and checkpoints that fail
 verification (sb_titan/checkpoint_integrity.py) exit with status 2 and one message naming
@@ -11,8 +11,8 @@ import os
 import sys
 
 from sb_titan import compat
-from sb_titan.checkpoint_integrity import CheckpointIntegrityError, check_checkpoint_folder
 from sb_titan.config.toml import ConfigError, load_config
+from sb_titan.runtime.checkpoint import CheckpointIntegrityError, check_checkpoint_folder
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
