@@ -1,4 +1,4 @@
-"""Checkpoint integrity (sb_titan/checkpoint_integrity.py): manifests written last,
+"""Checkpoint integrity (sb_titan/runtime/checkpoint.py): manifests written last,
 verified before DCP loads; corrupted, truncated or incomplete checkpoints are refused
 with one line naming the file and step, or skipped with a warning when asked."""
 

@@ -1,7 +1,7 @@
 """Entry point: `python -m sb_titan.tools.train --config_file X.toml [--section.key value ...]`.
 
 run_train.sh launches this under torchrun. Config problems and checkpoints that fail
-verification (sb_titan/checkpoint_integrity.py) exit with status 2 and one message naming
+verification (sb_titan/runtime/checkpoint.py) exit with status 2 and one message naming
 the file and key or step (no traceback); everything else is TorchTitan's.
 """
 
