@@ -2,6 +2,9 @@
 
 run_train.sh launches this under torchrun. Config problems exit with status 2 and one
 message naming the file and key (no traceback); everything else is TorchTitan's.
+`--check-config` only validates; `--prelaunch` (run_train.sh, before torchrun) also
+warns about restarts without checkpoints and prints the path where a rank records an
+error that restarts would only repeat (sb_titan.elastic).
 """
 
 from __future__ import annotations
@@ -41,16 +44,22 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    check_only = "--check-config" in argv
-    argv = [a for a in argv if a != "--check-config"]
+    prelaunch = "--prelaunch" in argv
+    check_only = prelaunch or "--check-config" in argv
+    argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
     try:
         config = parse(argv)
     except ConfigError as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"sb_titan: config error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from sb_titan import elastic
+
+    if prelaunch:
+        print(elastic.prelaunch(config, int(os.environ.get("MAX_RESTARTS", "0"))))
     if check_only:
         return
+    elastic.stop_if_earlier_fatal(config.dump_folder)
     run(config)
 
 
@@ -70,7 +79,11 @@ def run(config) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except Exception:
+    except Exception as e:
+        from sb_titan import elastic
+
+        if elastic.is_permanent(e):  # a restart would repeat it: tell the next attempt
+            elastic.record_fatal(config.dump_folder, e)
         if trainer is not None:
             trainer.close()
         raise

@@ -26,8 +26,10 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from sb_titan import elastic
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
 from sb_titan.attention.module import ATTENTION_OBSERVERS, SBAttention, SparseAttentionConfig
+from sb_titan.config.toml import ConfigError
 from sb_titan.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -78,7 +80,14 @@ class SBTrainer(Trainer):
         self._decision: DSTDecision | None = None
         self.cost_model = _cost_model(config)
         _configure_loader(config, copy.deepcopy(self.cost_model))
-        super().__init__(config)
+        tensorboard, config.metrics.enable_tensorboard = config.metrics.enable_tensorboard, False
+        try:  # TensorBoard is built below: one run folder across restarts (sb_titan.elastic)
+            super().__init__(config)
+        finally:
+            config.metrics.enable_tensorboard = tensorboard
+        self._first_step: int | None = None
+        if tensorboard:
+            _add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
         self._clock = BlockClock(self.device)
         instrument_blocks(self.model_parts, self._clock)
         if config.sparse_attention.record:
@@ -147,6 +156,9 @@ class SBTrainer(Trainer):
             )
 
     def train_step(self, data_iterator) -> None:
+        if self._first_step is None:
+            self._start_logs(self.step)
+        elastic.maybe_inject_fault(self.step)
         self._clock.reset()
         t0 = _now(self.device)
         super().train_step(data_iterator)
@@ -251,6 +263,16 @@ class SBTrainer(Trainer):
         self.metrics_processor.logger.log(metrics, self.step)
 
     # -- debug logs ----------------------------------------------------------------------------
+    def _start_logs(self, first_step: int) -> None:
+        """At the first step this process trains (after any checkpoint load): steps from
+        here on are (re)played, so earlier attempts' records of them are dropped."""
+        self._first_step = first_step
+        for stem in ("samples", "attention"):
+            elastic.truncate_step_log(self._rank_file(stem), first_step)
+        for metric_logger in getattr(self.metrics_processor.logger, "_loggers", []):
+            if isinstance(metric_logger, elastic.RunTensorBoardLogger):
+                metric_logger.start(first_step)
+
     def _rank_file(self, stem: str) -> str:
         os.makedirs(self.config.dump_folder, exist_ok=True)
         return os.path.join(self.config.dump_folder, f"{stem}_rank{dist.get_rank()}.jsonl")
@@ -446,8 +468,8 @@ def _cost_model(config: SBTrainer.Config) -> CostModel | None:
     model = build_cost_model(config.cost_model, spec_for, expected)
     wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
     needs = [name for name, on in wants if on]
-    if model is None and needs:
-        raise ValueError(
+    if model is None and needs:  # a config problem: no restart will fix it (elastic.py)
+        raise ConfigError(
             f"{' and '.join(needs)} need a latency profile: run `sb-profile --config <this "
             "config> --out profiles/NAME.json` and set cost_model.profile, or opt in to "
             "the analytic model with cost_model.analytic_device = 'h100' | 'h200' | 'cpu'"
@@ -479,6 +501,24 @@ def _configure_loader(config: SBTrainer.Config, loader_cost_model: CostModel | N
         beta0, policy = config.dst.beta0, config.dst.policy
         loader.cost_fn = loader_cost_model.predict
         loader.density_prior = lambda n: loader_cost_model.density_for_budget(beta0, n, policy)
+
+
+def _add_run_tensorboard(metrics, config: SBTrainer.Config, parallel_dims) -> None:
+    """TorchTitan's TensorBoard logger (same ranks, same tb/<run>[/rank_<r>] layout),
+    but restart-aware: see elastic.RunTensorBoardLogger."""
+    from torchtitan.components.metrics import LoggerContainer, _get_metrics_rank
+
+    cfg = config.metrics
+    rank = dist.get_rank()
+    if not cfg.save_for_all_ranks:
+        schedule = config.parallelism.pipeline_parallel_schedule
+        if rank != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=schedule):
+            return
+    if not isinstance(metrics.logger, LoggerContainer):
+        metrics.logger = LoggerContainer()
+    sub = f"rank_{rank}" if cfg.save_for_all_ranks else None
+    tb_root = os.path.join(config.dump_folder, cfg.save_tb_folder)
+    metrics.logger.add_logger(elastic.RunTensorBoardLogger(tb_root, sub))
 
 
 def _plan_digest(plan: StepPlan) -> str:
