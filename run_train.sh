@@ -24,6 +24,10 @@ LOG_RANK="${LOG_RANK:-0}"
 
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
 export MAX_RESTARTS SB_LAUNCHER=run_train.sh
+# Workers get a fresh TCPStore per attempt: the agent's shared one keeps the previous
+# attempt's keys, and a restarted rank can read a dead peer's address from it (gloo
+# "connectFullMesh ... Connection refused", or a hang; pytorch/pytorch#135712, #167288).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # Fail fast, once, with a clear message on a bad config (before spawning ranks); warn
 # about restarts without checkpoints; learn where a rank records a non-retryable error.

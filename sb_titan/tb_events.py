@@ -7,8 +7,9 @@ from pathlib import Path
 
 
 def read_scalars(dump_folder: str | Path) -> dict[str, dict[int, float]]:
-    """tag -> {step: value} over every event file under dump_folder/tb (later runs of a
-    resumed job overwrite earlier values of the same step)."""
+    """tag -> {step: value} over every event file under dump_folder/tb. Within a run
+    folder TensorBoard's own purge rules apply (a restarted job writes with purge_step,
+    see sb_titan.elastic); across folders later runs overwrite earlier values."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out: dict[str, dict[int, float]] = {}
