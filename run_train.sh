@@ -2,8 +2,11 @@
 # Train with torchrun, TorchTitan style:
 #   CONFIG_FILE=train_configs/X.toml NGPU=8 ./run_train.sh [--section.key value ...]
 # Defaults: train_configs/debug_cpu.toml; NGPU = the GPUs present, else 2 CPU processes.
-# Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT (static c10d rendezvous), or
-# RDZV_ENDPOINT (+ RDZV_ID) for an elastic c10d rendezvous. See docs/launch.md.
+# Multi-node: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, or RDZV_ENDPOINT (+ RDZV_ID);
+# both use a c10d rendezvous, so a restarted job re-forms across nodes.
+# Elastic recovery: a failed rank restarts the job from its last checkpoint, up to
+# MAX_RESTARTS (default 3) times; errors a restart would repeat are not retried.
+# See docs/launch.md.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
@@ -25,22 +28,42 @@ for arg in "$@"; do
   esac
 done
 
-# Fail fast, once, with one clear line on a bad config, profile or dataset (before
-# spawning ranks; sb_titan/preflight.py).
-WORLD_SIZE=$((NGPU * NNODES)) \
-  .venv/bin/python -m sb_titan.tools.train --check-config --config_file "$CONFIG_FILE" "$@"
+MAX_RESTARTS="${MAX_RESTARTS:-3}"
+export MAX_RESTARTS SB_LAUNCHER=run_train.sh
+# Workers get a fresh TCPStore per attempt: the agent's shared one keeps the previous
+# attempt's keys, and a restarted rank can read a dead peer's address from it (gloo
+# "connectFullMesh ... Connection refused", or a hang; pytorch/pytorch#135712, #167288).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
+
+# Fail fast, once, with one clear line on a bad config, profile, dataset or checkpoint
+# (before spawning ranks; sb_titan/config/preflight.py); warn about restarts without
+# checkpoints; learn where a rank records the error that stopped it.
+fatal_file="$(WORLD_SIZE=$((NGPU * NNODES)) .venv/bin/python -m sb_titan.tools.train \
+  --prelaunch --config_file "$CONFIG_FILE" "$@" | tail -n 1)"
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
           --rdzv_id="${RDZV_ID:-sb_titan}")
 elif [ "$NNODES" -gt 1 ]; then
-  launch=(--nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK for multi-node}"
-          --master_addr="${MASTER_ADDR:?set MASTER_ADDR for multi-node}"
-          --master_port="${MASTER_PORT:-29500}")
+  # c10d (not static) rendezvous so restarts re-form the job; node 0 hosts the store.
+  : "${NODE_RANK:?set NODE_RANK for multi-node}"
+  is_host=$([ "$NODE_RANK" = 0 ] && echo 1 || echo 0)
+  launch=(--nnodes="$NNODES" --rdzv_backend=c10d
+          --rdzv_endpoint="${MASTER_ADDR:?set MASTER_ADDR for multi-node}:${MASTER_PORT:-29500}"
+          --rdzv_id="${RDZV_ID:-sb_titan}" --rdzv_conf="is_host=$is_host")
 else
   launch=(--standalone)
 fi
 
-exec .venv/bin/torchrun "${launch[@]}" --nproc_per_node="$NGPU" \
+rc=0
+.venv/bin/torchrun "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@"
+  -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" || rc=$?
+
+# A rank hit an error that restarts would only repeat (config, data, profile): the next
+# attempt's ranks stopped at once; report the recorded cause and fail.
+if [ -s "$fatal_file" ]; then
+  echo "sb_titan: not retried: $(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["cause"])' "$fatal_file")" >&2
+  exit 3
+fi
+exit "$rc"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sb_titan.runtime.tb_events import read_scalars
+from sb_titan.runtime.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_cpu.toml"

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sb_titan.data.indexed import IndexedWriter
-from sb_titan.runtime.tb_events import read_scalars
+from sb_titan.runtime.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "dst_balance.json"

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from sb_titan.runtime.tb_events import read_scalars
+from sb_titan.runtime.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "e2e_cpu.toml"

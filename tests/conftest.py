@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sb_titan.runtime.tb_events import read_scalars
+from sb_titan.runtime.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug_cpu.toml"

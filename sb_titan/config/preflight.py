@@ -5,7 +5,7 @@ traceback from every rank 15-35 s into the job.
 What can be known from files and metadata alone is checked here: the config, the
 latency profile (present, parseable, matching), the step shape for the launch's world
 size, the dataset's files and their consistency, and that its token ids fit the model's
-vocabulary.
+vocabulary, and the checkpoint a resume would load.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def preflight(config: Any, path: str | Path | None) -> None:
     """Raise ConfigError, naming the config file, on the first problem found."""
     from sb_titan.balance.step_shape import step_shape
     from sb_titan.data.loader import build_source
+    from sb_titan.runtime.checkpoint import check_checkpoint_folder
     from sb_titan.runtime.trainer import build_run_cost_model
 
     where = str(path or "<defaults>")
@@ -34,3 +35,4 @@ def preflight(config: Any, path: str | Path | None) -> None:
         check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
     except ValueError as e:  # ProfileError, DatasetError, VocabularyError included
         raise ConfigError(f"{where}: {e}") from None
+    check_checkpoint_folder(config)  # raises CheckpointIntegrityError, naming file and step

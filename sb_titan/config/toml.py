@@ -18,11 +18,13 @@ from typing import Any
 
 import tomli
 
+from sb_titan.runtime.elastic import NotRetryable
+
 AC_MODES = ("none", "selective", "full")
 _tyro_rules_registered = False
 
 
-class ConfigError(ValueError):
+class ConfigError(ValueError, NotRetryable):
     """A config problem a user can fix; the message says where."""
 
 

@@ -31,6 +31,7 @@ from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
     CostModelConfig,
+    ProfileError,
     analytic_stage_spec,
     build_cost_model,
 )
@@ -44,11 +45,13 @@ from sb_titan.models.qwen2_5.attention import (
     SBAttention,
     SparseAttentionConfig,
 )
+from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import StepMeasurements
 from sb_titan.runtime.schedule import with_microbatch_schedules
+from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,7 +107,14 @@ class SBTrainer(Trainer):
         self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
         _configure_loader(config, copy.deepcopy(self.cost_model))
-        super().__init__(config)
+        tensorboard, config.metrics.enable_tensorboard = config.metrics.enable_tensorboard, False
+        try:  # TensorBoard is built below: one run folder across restarts (runtime/elastic.py)
+            super().__init__(config)
+        finally:
+            config.metrics.enable_tensorboard = tensorboard
+        self._first_step: int | None = None
+        if tensorboard:
+            add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
         check_vocabulary(  # also run before spawning; here for launches without run_train.sh
             self.dataloader.source, config.model_spec.model.vocab_size, config.model.flavor
         )
@@ -174,6 +184,9 @@ class SBTrainer(Trainer):
             )
 
     def train_step(self, data_iterator) -> None:
+        if self._first_step is None:
+            self._start_logs(self.step)
+        elastic.maybe_inject_fault(self.step)
         self._clock.reset()
         self._mb_stats = {}
         t0 = _now(self.device)
@@ -276,6 +289,16 @@ class SBTrainer(Trainer):
         self.metrics_processor.logger.log(metrics, self.step)
 
     # -- debug logs ----------------------------------------------------------------------------
+    def _start_logs(self, first_step: int) -> None:
+        """At the first step this process trains (after any checkpoint load): steps from
+        here on are (re)played, so earlier attempts' records of them are dropped."""
+        self._first_step = first_step
+        for stem in ("samples", "attention"):
+            elastic.truncate_step_log(self._rank_file(stem), first_step)
+        for metric_logger in getattr(self.metrics_processor.logger, "_loggers", []):
+            if isinstance(metric_logger, RunTensorBoardLogger):
+                metric_logger.start(first_step)
+
     def _rank_file(self, stem: str) -> str:
         os.makedirs(self.config.dump_folder, exist_ok=True)
         return os.path.join(self.config.dump_folder, f"{stem}_rank{dist.get_rank()}.jsonl")
@@ -351,8 +374,8 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     model = build_cost_model(config.cost_model, spec_for, expected)
     wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
     needs = [name for name, on in wants if on]
-    if model is None and needs:
-        raise ValueError(
+    if model is None and needs:  # a config problem: no restart will fix it (elastic.py)
+        raise ProfileError(
             f"{' and '.join(needs)} need a latency profile: run `sb-profile --config <this "
             "config> --out profiles/NAME.json` and set cost_model.profile, or opt in to "
             "the analytic model with cost_model.analytic_device = 'h100' | 'h200' | 'cpu'"

@@ -1,8 +1,10 @@
 """Entry point: `python -m sb_titan.tools.train --config_file X.toml [--section.key value ...]`.
 
-run_train.sh launches this under torchrun. Config problems and checkpoints that fail
-verification (sb_titan/runtime/checkpoint.py) exit with status 2 and one message naming
-the file and key or step (no traceback); everything else is TorchTitan's.
+run_train.sh launches this under torchrun. Problems found before training (config,
+profile, dataset, checkpoint integrity) exit with status 2 and one line naming the file
+and key or step, no traceback. `--check-config` checks and exits; `--prelaunch`
+(run_train.sh, before torchrun) also warns about restarts without checkpoints and prints
+where a rank records an error that restarts would only repeat (runtime/elastic.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import sys
 
 from sb_titan import compat
 from sb_titan.config.toml import ConfigError, load_config
-from sb_titan.runtime.checkpoint import CheckpointIntegrityError, check_checkpoint_folder
+from sb_titan.runtime import elastic
+from sb_titan.runtime.checkpoint import CheckpointIntegrityError
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
@@ -52,7 +55,7 @@ def parse(argv: list[str], check: bool = False):
     if check:
         from sb_titan.config.preflight import preflight
 
-        preflight(config, path)
+        preflight(config, path)  # then the checkpoint folder: one line, no traceback
     return config
 
 
@@ -61,26 +64,31 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if any(a in HELP_FLAGS for a in argv):
         print(USAGE)  # tyro then prints every override and exits 0
-    check_only = "--check-config" in argv
-    argv = [a for a in argv if a != "--check-config"]
+    prelaunch = "--prelaunch" in argv
+    check_only = prelaunch or "--check-config" in argv
+    argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
     from torchtitan.tools.logging import init_logger
 
     init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     try:
         config = parse(argv, check=check_only)
-    except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"sb_titan: config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
+        if prelaunch:
+            print(elastic.prelaunch(config, int(os.environ.get("MAX_RESTARTS", "0"))))
         if check_only:
-            check_checkpoint_folder(config)  # before ranks spawn: one line, no traceback
             return
+        elastic.stop_if_earlier_fatal(config.dump_folder)
         run(config)
+    except ConfigError as e:
+        _stop("config error", e)
     except CheckpointIntegrityError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"sb_titan: checkpoint error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _stop("checkpoint error", e)
+
+
+def _stop(kind: str, error: Exception) -> None:
+    """One line on rank 0 (every rank raises the same), exit status 2, no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"sb_titan: {kind}: {error}", file=sys.stderr)
+    raise SystemExit(2) from None
 
 
 def run(config) -> None:
@@ -99,7 +107,9 @@ def run(config) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    except Exception:
+    except Exception as e:
+        if elastic.is_permanent(e):  # a restart would repeat it: tell the next attempt
+            elastic.record_fatal(config.dump_folder, e)
         if trainer is not None:
             trainer.close()
         raise

@@ -1,0 +1,86 @@
+"""TensorBoard: the run's writer, restart-aware (one run folder across restarts, replayed
+steps purged), and a reader of the scalars a run wrote (benchmarks and tests use it)."""
+
+from __future__ import annotations
+
+import glob
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.utils.tensorboard import SummaryWriter
+from torchtitan.components.metrics import BaseLogger
+
+from sb_titan.runtime.elastic import restart_count
+
+
+def read_scalars(dump_folder: str | Path) -> dict[str, dict[int, float]]:
+    """tag -> {step: value} over every event file under dump_folder/tb. Within a run
+    folder TensorBoard's own purge rules apply (a restarted job writes with purge_step,
+    see RunTensorBoardLogger); across folders later runs overwrite earlier values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for run in sorted(glob.glob(str(Path(dump_folder) / "tb" / "*"))):
+        acc = EventAccumulator(run, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            out.setdefault(tag, {}).update({e.step: e.value for e in acc.Scalars(tag)})
+    return out
+
+
+class RunTensorBoardLogger(BaseLogger):
+    """TorchTitan's TensorBoardLogger, but the writer opens at the first step this process
+    trains: a first run gets a new `tb/<timestamp>` folder; a resumed or restarted one
+    appends to the newest folder with `purge_step` = that step, so TensorBoard hides the
+    earlier attempt's events from that step on. Flushed every log call, so a killed job
+    keeps its scalars up to the failure."""
+
+    def __init__(self, tb_root: str | os.PathLike, sub: str | None = None, tag=None) -> None:
+        self.tb_root, self.sub, self.tag = Path(tb_root), sub, tag
+        self.writer: SummaryWriter | None = None
+
+    def start(self, first_step: int) -> None:
+        if self.writer is not None:
+            return
+        runs = sorted((p for p in self.tb_root.glob("*") if p.is_dir()), key=_mtime)
+        if runs and (first_step > 1 or restart_count() > 0):
+            run = runs[-1]
+        else:
+            run = self.tb_root / datetime.now().strftime("%Y%m%d-%H%M")
+        log_dir = run / self.sub if self.sub else run
+        self.writer = SummaryWriter(str(log_dir), max_queue=1000, purge_step=first_step)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self.start(step)
+        for k, v in metrics.items():
+            self.writer.add_scalar(k if self.tag is None else f"{self.tag}/{k}", v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _mtime(path: Path) -> float:
+    return path.stat().st_mtime
+
+
+def add_run_tensorboard(metrics, config, parallel_dims) -> None:
+    """TorchTitan's TensorBoard logger (same ranks, same tb/<run>[/rank_<r>] layout),
+    but restart-aware: see elastic.RunTensorBoardLogger."""
+    from torchtitan.components.metrics import LoggerContainer, _get_metrics_rank
+
+    cfg = config.metrics
+    rank = dist.get_rank()
+    if not cfg.save_for_all_ranks:
+        schedule = config.parallelism.pipeline_parallel_schedule
+        if rank != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=schedule):
+            return
+    if not isinstance(metrics.logger, LoggerContainer):
+        metrics.logger = LoggerContainer()
+    sub = f"rank_{rank}" if cfg.save_for_all_ranks else None
+    tb_root = os.path.join(config.dump_folder, cfg.save_tb_folder)
+    metrics.logger.add_logger(RunTensorBoardLogger(tb_root, sub))

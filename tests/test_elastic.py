@@ -1,0 +1,139 @@
+"""Elastic recovery: run_train.sh restarts a job whose rank died, from its last checkpoint,
+without a person; replayed steps are logged once; errors that would recur are not retried."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import REPO, TINY, cpu_env, losses, sample_log
+
+from sb_titan.config.toml import ConfigError, load_config
+from sb_titan.runtime import elastic
+from sb_titan.runtime.tensorboard import RunTensorBoardLogger, read_scalars
+
+LOSS = "loss_metrics/global_avg_loss"
+
+
+def _steps_per_run(dump) -> dict[str, list[int]]:
+    """Loss steps as TensorBoard itself shows them, per run folder (purges honoured)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = {}
+    for run in sorted((dump / "tb").iterdir()):
+        acc = EventAccumulator(str(run), size_guidance={"scalars": 0})
+        acc.Reload()
+        out[run.name] = [e.step for e in acc.Scalars(LOSS)] if LOSS in acc.Tags()["scalars"] else []
+    return out
+
+
+# -- fast: the pieces ---------------------------------------------------------------------------
+def test_tensorboard_restart_purges_replayed_steps(tmp_path, monkeypatch):
+    """A restarted writer appends to the same run folder and hides the first attempt's
+    steps from the resume point on, so TensorBoard shows every step once."""
+    tb = tmp_path / "tb"
+    first = RunTensorBoardLogger(tb)
+    first.start(1)
+    for step in (1, 2, 3):
+        first.log({LOSS: float(step)}, step)  # flushed: survives the kill below
+    first.writer = None  # killed: never closed
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    second = RunTensorBoardLogger(tb)
+    second.start(3)  # resumed from the step-2 checkpoint
+    for step in (3, 4):
+        second.log({LOSS: 10.0 * step}, step)
+    second.close()
+    assert _steps_per_run(tmp_path) == {next(tb.iterdir()).name: [1, 2, 3, 4]}
+    assert read_scalars(tmp_path)[LOSS] == {1: 1.0, 2: 2.0, 3: 30.0, 4: 40.0}
+
+
+def test_step_log_truncated_to_resume_point(tmp_path):
+    path = tmp_path / "samples_rank0.jsonl"
+    lines = [json.dumps({"step": s, "microbatch": m}) for s in (1, 2, 3) for m in (0, 1)]
+    path.write_text("\n".join(lines) + '\n{"step": 3, "micro')  # torn by a kill
+    elastic.truncate_step_log(path, 3)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 1, 2, 2]
+
+
+def test_restarts_without_checkpoints_warn():
+    config = load_config(REPO / "train_configs" / "debug_cpu.toml")
+    assert "checkpoint.enable is false" in elastic.restart_warning(config, 3)
+    assert elastic.restart_warning(config, 0) is None
+    config.checkpoint.enable = True
+    assert elastic.restart_warning(config, 3) is None
+
+
+def test_fatal_record_only_stops_later_attempts_of_the_same_job(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    elastic.record_fatal(tmp_path, ConfigError("x.toml: bad key 'a.b'"))
+    assert elastic.earlier_fatal(tmp_path) is None  # the attempt that failed
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert elastic.earlier_fatal(tmp_path) == "ConfigError: x.toml: bad key 'a.b'"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert elastic.earlier_fatal(tmp_path) is None  # a stale record of another job
+
+
+# -- torchrun through run_train.sh ----------------------------------------------------------------
+def _run_train(dump, *args: str, timeout: int = 600, **env: str):
+    return subprocess.run(
+        ["./run_train.sh", "--dump_folder", str(dump), *TINY, *args],
+        cwd=REPO,
+        env=cpu_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.torchrun
+def test_non_retryable_error_is_not_retried(tmp_path):
+    """A data error raised inside the ranks ends the job once with its cause, though
+    restarts are allowed; restarts without checkpointing were warned about first."""
+    proc = _run_train(
+        tmp_path,
+        "--dataloader.dataset",
+        "indexed",
+        "--dataloader.dataset_path",
+        str(tmp_path / "missing"),
+        MAX_RESTARTS="2",
+        NGPU="1",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == elastic.NOT_RETRIED_EXIT, out[-4000:]
+    assert "MAX_RESTARTS=2 but checkpoint.enable is false" in proc.stderr
+    assert out.count("Traceback (most recent call last)") == 1, out[-6000:]  # one attempt ran
+    cause = f"DatasetError: {tmp_path / 'missing'}: dataset directory not found"
+    assert proc.stderr.strip().splitlines()[-1] == f"sb_titan: not retried: {cause}"
+
+
+@pytest.mark.torchrun
+def test_killed_rank_resumes_bit_identical(tmp_path):
+    """Rank 1 is SIGKILLed at the start of step 4 (checkpoint at step 2): torchrun restarts
+    the job, which finishes on its own with the uninterrupted run's losses, bit for bit,
+    and logs every step once (TensorBoard and the sample logs)."""
+    common = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    common += ["--dataloader.sample_log"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    proc = _run_train(straight, *common, MAX_RESTARTS="0", NGPU="2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_train(
+        killed,
+        *common,
+        MAX_RESTARTS="2",
+        NGPU="2",
+        LOG_RANK="0,1",
+        SB_FAULT_KILL_AT_STEP="4",
+        SB_FAULT_KILL_RANK="1",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "fault injection: killing rank 1 at step 4" in out  # it did die and restart
+    assert "Training starts at step 3" in out  # from the step-2 checkpoint
+    assert losses(killed) == losses(straight) and len(losses(straight)) == 6
+    (steps,) = _steps_per_run(killed).values()  # one run folder, each step once
+    assert steps == [1, 2, 3, 4, 5, 6]
+    for rank in (0, 1):
+        assert sample_log(killed, rank) == sample_log(straight, rank)
+        assert sorted({r["step"] for r in sample_log(killed, rank)}) == [1, 2, 3, 4, 5, 6]
