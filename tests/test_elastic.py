@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import numpy as np
 import pytest
 from conftest import REPO, TINY, cpu_env, losses, sample_log
 
 from sb_titan.config.toml import ConfigError, load_config
+from sb_titan.data.indexed import IndexedWriter
 from sb_titan.runtime import elastic
 from sb_titan.runtime.tensorboard import RunTensorBoardLogger, read_scalars
 
@@ -90,22 +92,32 @@ def _run_train(dump, *args: str, timeout: int = 600, **env: str):
 @pytest.mark.torchrun
 def test_non_retryable_error_is_not_retried(tmp_path):
     """A data error raised inside the ranks ends the job once with its cause, though
-    restarts are allowed; restarts without checkpointing were warned about first."""
-    proc = _run_train(
-        tmp_path,
-        "--dataloader.dataset",
-        "indexed",
-        "--dataloader.dataset_path",
-        str(tmp_path / "missing"),
-        MAX_RESTARTS="2",
-        NGPU="1",
-    )
+    restarts are allowed; restarts without checkpointing were warned about first. (A
+    missing dataset never gets that far: the launch stops before spawning ranks.)"""
+    missing = _run_train(tmp_path, *_indexed(tmp_path / "missing"), MAX_RESTARTS="2")
+    assert missing.returncode == 2 and "[rank" not in missing.stdout + missing.stderr
+    assert "missing: dataset directory not found" in missing.stderr
+    # Metadata that passes the launch check but lies about the tokens: found on read.
+    data = tmp_path / "edited"
+    writer = IndexedWriter(data)
+    for _ in range(64):
+        writer.add(np.arange(3, 300))
+    writer.close({"source": "tests"})
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "max_token_id": 10}))
+    proc = _run_train(tmp_path, *_indexed(data), MAX_RESTARTS="2", NGPU="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode == elastic.NOT_RETRIED_EXIT, out[-4000:]
     assert "MAX_RESTARTS=2 but checkpoint.enable is false" in proc.stderr
-    assert out.count("Traceback (most recent call last)") == 1, out[-6000:]  # one attempt ran
-    cause = f"DatasetError: {tmp_path / 'missing'}: dataset directory not found"
-    assert proc.stderr.strip().splitlines()[-1] == f"sb_titan: not retried: {cause}"
+    # one attempt ran ("Original Traceback" is the loader thread's, inside the same error)
+    assert out.count(": Traceback (most recent call last)") == 1, out[-6000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"sb_titan: not retried: DatasetError: {data / 'meta.json'}: sample")
+    assert "above its max_token_id 10" in last
+
+
+def _indexed(path) -> list[str]:
+    return ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", str(path)]
 
 
 @pytest.mark.torchrun

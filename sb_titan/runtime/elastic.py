@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -93,9 +94,13 @@ def is_permanent(error: BaseException) -> bool:
 
 def one_line(error: BaseException) -> str:
     """The cause in one line (errors re-raised from a loader thread carry the original
-    traceback in their message; its last line is the original error)."""
+    traceback in their message; its last line is the original `module.Error: message`)."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[-1] if lines else ''}".rstrip(": ")
+    qualified = r"^(?:[A-Za-z_]\w*\.)+(\w*(?:Error|Exception): )"  # module.path.SomeError:
+    last = re.sub(qualified, r"\1", lines[-1]) if lines else ""
+    if last.startswith(f"{type(error).__name__}: "):
+        return last
+    return f"{type(error).__name__}: {last}".rstrip(": ")
 
 
 def record_fatal(dump_folder: str | os.PathLike, error: BaseException) -> None:
