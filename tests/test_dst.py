@@ -30,7 +30,6 @@ def stat(values, anchor):
     "kwargs, field",
     [
         ({"anchor": "avg"}, "anchor"),
-        ({"policy": "dense"}, "policy"),
         ({"p": -0.1}, "p"),
         ({"p": math.nan}, "p"),
         ({"beta_min": 0.0}, "beta_min"),
@@ -46,8 +45,8 @@ def test_config_validation_names_the_field(kwargs, field):
 
 @pytest.mark.parametrize("anchor", ["min", "mean", "median", "max"])
 def test_each_anchor_pulls_units_outside_the_band_onto_it(model, anchor):
-    cfg = DSTConfig(anchor=anchor, policy="topk", beta0=0.6, beta_min=0.05, beta_max=1.0)
-    d = tune_budgets(SKEWED, model, cfg)
+    cfg = DSTConfig(anchor=anchor, beta0=0.6, beta_min=0.05, beta_max=1.0)
+    d = tune_budgets(SKEWED, model, cfg, "topk")
     before = np.array(d.predicted_before)
     assert d.anchor_s == pytest.approx(stat(before, anchor), rel=1e-12)
     bounds = (cfg.beta_min, cfg.beta_max)
@@ -60,17 +59,17 @@ def test_each_anchor_pulls_units_outside_the_band_onto_it(model, anchor):
 
 
 def test_max_anchor_only_raises_and_min_anchor_only_lowers(model):
-    up = tune_budgets(SKEWED, model, DSTConfig(anchor="max", policy="topk"))
+    up = tune_budgets(SKEWED, model, DSTConfig(anchor="max"), "topk")
     assert up.n_lowered == 0 and up.n_raised > 0
     assert all(b >= 0.9 for b in up.budgets)
-    down = tune_budgets(SKEWED, model, DSTConfig(anchor="min", policy="topk", beta_min=0.05))
+    down = tune_budgets(SKEWED, model, DSTConfig(anchor="min", beta_min=0.05), "topk")
     assert down.n_raised == 0 and down.n_lowered > 0
     assert all(b <= 0.9 for b in down.budgets)
 
 
 def test_clamping_is_counted_both_ways(model):
-    cfg = DSTConfig(policy="topk", beta0=0.9, beta_min=0.85, beta_max=0.95)
-    d = tune_budgets(SKEWED, model, cfg)
+    cfg = DSTConfig(beta0=0.9, beta_min=0.85, beta_max=0.95)
+    d = tune_budgets(SKEWED, model, cfg, "topk")
     assert d.budgets[0] == cfg.beta_min  # the 32K document cannot reach the mean
     assert d.budgets[-1] == cfg.beta_max  # the short documents cannot either
     assert d.n_clamped == d.n_raised + d.n_lowered == len(SKEWED)
@@ -78,9 +77,9 @@ def test_clamping_is_counted_both_ways(model):
 
 
 def test_tolerance_zero_adjusts_every_unit_and_large_tolerance_none(model):
-    d = tune_budgets(SKEWED, model, DSTConfig(policy="topk", p=0.0, beta_min=0.05))
+    d = tune_budgets(SKEWED, model, DSTConfig(p=0.0, beta_min=0.05), "topk")
     assert d.n_raised + d.n_lowered == len(SKEWED)
-    d = tune_budgets(SKEWED, model, DSTConfig(policy="topk", p=10.0))
+    d = tune_budgets(SKEWED, model, DSTConfig(p=10.0), "topk")
     assert d.budgets == [0.9] * len(SKEWED) and d.n_raised == d.n_lowered == 0
 
 
@@ -100,8 +99,8 @@ def test_disabled_gives_beta0(model):
 
 @pytest.mark.parametrize("policy", ["topk", "mass"])
 def test_dst_brings_max_over_mean_toward_one(model, policy):
-    cfg = DSTConfig(policy=policy, beta0=0.5, beta_min=0.05, beta_max=1.0)
-    d = tune_budgets(SKEWED, model, cfg)
+    cfg = DSTConfig(beta0=0.5, beta_min=0.05, beta_max=1.0)
+    d = tune_budgets(SKEWED, model, cfg, policy)
     assert d.imbalance_before > 1.5
     assert 1.0 <= d.imbalance_after < 1.0 + (d.imbalance_before - 1.0) / 2
     assert max(d.predicted_after) < max(d.predicted_before)
@@ -110,8 +109,8 @@ def test_dst_brings_max_over_mean_toward_one(model, policy):
 def test_units_of_several_micro_batches_share_one_budget(model):
     # DP-style units: a rank's micro-batches, whose summed time matters.
     units = [[[32768], [16384, 16384]], [[2048] * 16, [512] * 64], [[8192] * 4, [4096] * 8]]
-    cfg = DSTConfig(policy="topk", beta0=0.5, beta_min=0.05)
-    d = tune_budgets(units, model, cfg)
+    cfg = DSTConfig(beta0=0.5, beta_min=0.05)
+    d = tune_budgets(units, model, cfg, "topk")
     for unit, t in zip(units, d.predicted_before, strict=True):
         per_mb = sum(model.predict_budget(mb, 0.5, "topk") for mb in unit)
         assert t == pytest.approx(per_mb, rel=1e-12)
@@ -126,13 +125,13 @@ def test_units_of_several_micro_batches_share_one_budget(model):
 
 
 def test_decision_is_deterministic_and_digest_tracks_budgets(model):
-    cfg = DSTConfig(policy="mass", beta_min=0.1)
-    a = tune_budgets(SKEWED, model, cfg)
-    b = tune_budgets([list(u) for u in SKEWED], CostModel.analytic(SPEC), cfg)
+    cfg = DSTConfig(beta_min=0.1)
+    a = tune_budgets(SKEWED, model, cfg, "mass")
+    b = tune_budgets([list(u) for u in SKEWED], CostModel.analytic(SPEC), cfg, "mass")
     assert a == b and a.digest() == b.digest()
     assert a.digest() == hashlib.sha1(np.asarray(a.budgets, "<f8").tobytes()).hexdigest()
     model.density_model.update([(0.9, 32768, 0.2)] * 4)
-    assert tune_budgets(SKEWED, model, cfg).digest() != a.digest()
+    assert tune_budgets(SKEWED, model, cfg, "mass").digest() != a.digest()
 
 
 def test_rejects_empty_units(model):
@@ -145,15 +144,15 @@ def test_rejects_empty_units(model):
 # ---- the recall-neutral anchor ------------------------------------------------------------
 
 
-def reference_budgets(units, model, cfg, anchor):
+def reference_budgets(units, model, cfg, anchor, policy="mass"):
     """The band rule straight from the docstring, one unit at a time (public API)."""
-    before = [model.predict_budget(u, cfg.beta0, cfg.policy) for u in units]
+    before = [model.predict_budget(u, cfg.beta0, policy) for u in units]
     out = []
     for unit, t in zip(units, before, strict=True):
         if t > anchor * (1 + cfg.p):
-            out.append(model.budget_for(unit, anchor, cfg.policy, cfg.beta_min, cfg.beta0).beta)
+            out.append(model.budget_for(unit, anchor, policy, cfg.beta_min, cfg.beta0).beta)
         elif t < anchor * (1 - cfg.p):
-            out.append(model.budget_for(unit, anchor, cfg.policy, cfg.beta0, cfg.beta_max).beta)
+            out.append(model.budget_for(unit, anchor, policy, cfg.beta0, cfg.beta_max).beta)
         else:
             out.append(cfg.beta0)
     return before, out
@@ -165,8 +164,8 @@ def sensitive(units, block_size=64):
 
 @pytest.mark.parametrize("policy", ["topk", "mass"])
 def test_recall_anchor_is_the_fastest_target_that_keeps_recall(model, policy):
-    cfg = DSTConfig(anchor="recall", policy=policy, beta0=0.7, beta_min=0.2, beta_max=1.0)
-    d = tune_budgets(SKEWED, model, cfg)
+    cfg = DSTConfig(anchor="recall", beta0=0.7, beta_min=0.2, beta_max=1.0)
+    d = tune_budgets(SKEWED, model, cfg, policy)
 
     def recalled(budgets):  # sensitive tokens x the mass they keep, summed over documents
         r = model.recall_model.predict
@@ -178,18 +177,18 @@ def test_recall_anchor_is_the_fastest_target_that_keeps_recall(model, policy):
         )
 
     keeps = lambda budgets: recalled(budgets) >= recalled([cfg.beta0] * len(SKEWED)) * (1 - 1e-9)  # noqa: E731
-    before, ref = reference_budgets(SKEWED, model, cfg, d.anchor_s)
+    before, ref = reference_budgets(SKEWED, model, cfg, d.anchor_s, policy)
     assert np.allclose(d.budgets, ref, atol=1e-9) and keeps(d.budgets)
     assert d.predicted_recall >= d.predicted_recall_static - 1e-9
     # Brute force over a grid of anchors: no lower one keeps recall.
     grid = np.linspace(min(before), max(before), 400)
-    lowest = next(a for a in grid if keeps(reference_budgets(SKEWED, model, cfg, a)[1]))
+    lowest = next(a for a in grid if keeps(reference_budgets(SKEWED, model, cfg, a, policy)[1]))
     step = grid[1] - grid[0]
     assert lowest - step <= d.anchor_s <= lowest + 1e-9 * lowest
     # It removes the straggler; against the mean anchor it is lower exactly when the
     # mean anchor keeps recall too.
     assert max(d.predicted_after) < max(d.predicted_before)
-    mean = tune_budgets(SKEWED, model, DSTConfig(**{**_fields(cfg), "anchor": "mean"}))
+    mean = tune_budgets(SKEWED, model, DSTConfig(**{**_fields(cfg), "anchor": "mean"}), policy)
     keeps_too = mean.predicted_recall >= mean.predicted_recall_static - 1e-12
     assert (d.anchor_s <= mean.anchor_s) == keeps_too
 
@@ -198,7 +197,7 @@ def test_recall_anchor_keeps_recall_where_the_mean_anchor_loses_it(model):
     # DP-style: the heavy rank holds long documents, the light one mostly short ones,
     # so the seconds the mean anchor moves buy fewer recall points on the light rank.
     units = [[[32768], [16384, 16384]], [[8192] * 4, [4096] * 4 + [128] * 128]]
-    base = {"policy": "mass", "beta0": 0.8, "beta_min": 0.3, "beta_max": 1.0}
+    base = {"beta0": 0.8, "beta_min": 0.3, "beta_max": 1.0}
     mean = tune_budgets(units, model, DSTConfig(anchor="mean", **base))
     recall = tune_budgets(units, model, DSTConfig(anchor="recall", **base))
     assert mean.predicted_recall < mean.predicted_recall_static - 0.01
@@ -207,7 +206,7 @@ def test_recall_anchor_keeps_recall_where_the_mean_anchor_loses_it(model):
 
 
 def _fields(cfg):
-    return {k: getattr(cfg, k) for k in ("policy", "beta0", "beta_min", "beta_max", "p")}
+    return {k: getattr(cfg, k) for k in ("beta0", "beta_min", "beta_max", "p")}
 
 
 def test_recall_anchor_without_sensitive_tokens_is_the_minimum(model):
@@ -255,12 +254,12 @@ def test_a_learned_recall_model_makes_the_recall_anchor_more_careful():
     """Short documents already keep most of their mass at beta0, so raising them buys
     little: once measured, the recall anchor cuts the long-document unit less."""
     units = [[[32768], [16384, 16384]], [[8192] * 4, [4096] * 4 + [128] * 128]]
-    cfg = DSTConfig(anchor="recall", policy="mass", beta0=0.8, beta_min=0.3)
+    cfg = DSTConfig(anchor="recall", beta0=0.8, beta_min=0.3)
     model = CostModel.analytic(SPEC)
-    prior = tune_budgets(units, model, cfg)
+    prior = tune_budgets(units, model, cfg, "mass")
     model.recall_model.update([(0.8, 4096, 0.95)] * 8 + [(0.8, 8192, 0.93)] * 8)
     model.recall_model.update([(0.8, 32768, 0.82)] * 8 + [(0.8, 16384, 0.83)] * 8)
-    learned = tune_budgets(units, model, cfg)
+    learned = tune_budgets(units, model, cfg, "mass")
     assert learned.budgets[0] > prior.budgets[0] and learned.anchor_s > prior.anchor_s
     assert learned.predicted_recall >= learned.predicted_recall_static - 1e-9
     assert learned.predicted_recall_static > prior.predicted_recall_static
@@ -299,3 +298,8 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
     assert [x for _, _, x in obs] == pytest.approx(want, rel=1e-12)
     assert obs[0][2] == pytest.approx((0.85 * 4096 - 128) / (4096 - 128))
     assert m.metrics()["sparsity/recall"] == pytest.approx((0.85 * 4096 + 0.95 * 2160) / 6256)
+
+
+def test_an_unknown_selection_policy_is_refused(model):
+    with pytest.raises(ValueError, match="policy must be one of"):
+        tune_budgets(SKEWED, model, DSTConfig(), "dense")

@@ -98,7 +98,7 @@ def test_decision_is_planner_plus_tune_budgets(pp):
     lengths = longtail_v1(3000, cluster.seq_len, 0)
     lowered = 0
     for policy, variants in (("sequential", ("dst", "baseline")), ("sab", ("sab_dst", "sab"))):
-        ours = make_planner(lengths, cluster, sc.sab, policy, cm, dst)
+        ours = make_planner(lengths, cluster, sc.sab, policy, cm, dst, sc.selection)
         direct = Planner(
             lengths,
             seq_len=cluster.seq_len,
@@ -107,7 +107,7 @@ def test_decision_is_planner_plus_tune_budgets(pp):
             rows_per_microbatch=1,
             config=SABConfig(policy=policy),
             cost_fn=cm.predict,
-            density_prior=lambda n: cm.density_for_budget(dst.beta0, n, dst.policy),
+            density_prior=lambda n: cm.density_for_budget(dst.beta0, n, sc.selection),
         )
         for _ in range(2):
             plan, want = ours.next_step(), direct.next_step()
@@ -117,7 +117,9 @@ def test_decision_is_planner_plus_tune_budgets(pp):
             else:
                 units = [[mb.doc_lens for mb in rank] for rank in want.microbatches]
             for variant, enabled in zip(variants, (True, False), strict=True):
-                decision = tune_budgets(units, cm, dataclasses.replace(dst, enabled=enabled))
+                decision = tune_budgets(
+                    units, cm, dataclasses.replace(dst, enabled=enabled), sc.selection
+                )
                 assert sim.run_step(plan, variant).budgets_digest == decision.digest()
                 lowered += decision.n_lowered
     assert lowered > 0  # DST really acted somewhere

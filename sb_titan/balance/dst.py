@@ -25,10 +25,8 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
 
 import numpy as np
-import tyro
 
 from sb_titan.balance.cost_model import POLICIES, CostModel, Unit
 
@@ -54,16 +52,12 @@ class DSTConfig:
     """Floor for bottlenecks (accuracy guard)."""
     beta_max: float = 1.0
     """Ceiling for non-bottlenecks."""
-    policy: Annotated[str, tyro.conf.Suppress] = "mass"
-    """Selection policy the budget feeds; the trainer sets it from [sparse_attention]."""
     verify_ranks: bool = False
     """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:
             raise ValueError(f"dst.anchor must be one of {ANCHORS}, got {self.anchor!r}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"dst.policy must be one of {POLICIES}, got {self.policy!r}")
         if not (math.isfinite(self.p) and self.p >= 0):
             raise ValueError(f"dst.p must be a finite number >= 0, got {self.p!r}")
         for name in ("beta_min", "beta0", "beta_max"):
@@ -177,7 +171,12 @@ def sensitive_recall(
 
 
 def _budgets_at(
-    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, before: np.ndarray, anchor: float
+    units: Sequence[Unit],
+    cost_model: CostModel,
+    cfg: DSTConfig,
+    policy: str,
+    before: np.ndarray,
+    anchor: float,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(budgets, predicted seconds, clamped count) with every unit pulled toward anchor."""
     budgets = np.full(len(units), cfg.beta0)
@@ -192,7 +191,7 @@ def _budgets_at(
         solutions = cost_model.budgets_for(
             [units[i] for i in idx],
             anchor,
-            cfg.policy,
+            policy,
             beta_min=np.where(slow[idx], cfg.beta_min, cfg.beta0),
             beta_max=np.where(slow[idx], cfg.beta0, cfg.beta_max),
         )
@@ -203,7 +202,7 @@ def _budgets_at(
 
 
 def _recall_neutral_anchor(
-    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, before: np.ndarray
+    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, policy: str, before: np.ndarray
 ) -> float:
     """The lowest anchor whose budgets keep the predicted recalled tokens at beta0's.
 
@@ -213,7 +212,7 @@ def _recall_neutral_anchor(
     need = math.fsum(recalled_tokens(units, cfg.beta0, cost_model)[1].tolist())
 
     def keeps_recall(anchor: float) -> bool:
-        budgets = _budgets_at(units, cost_model, cfg, before, anchor)[0]
+        budgets = _budgets_at(units, cost_model, cfg, policy, before, anchor)[0]
         recalled = recalled_tokens(units, budgets, cost_model)[1]
         return math.fsum(recalled.tolist()) >= need * (1 - 1e-12)
 
@@ -226,18 +225,23 @@ def _recall_neutral_anchor(
     return hi
 
 
-def tune_budgets(units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig) -> DSTDecision:
-    """Budgets per unit that pull every predicted latency toward the anchor."""
+def tune_budgets(
+    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, policy: str = "mass"
+) -> DSTDecision:
+    """Budgets per unit that pull every predicted latency toward the anchor; `policy` is
+    the selection policy the budgets feed ([sparse_attention] policy)."""
     if not units or any(len(unit) == 0 for unit in units):
         raise ValueError("tune_budgets: need at least one unit, each with >= 1 micro-batch")
-    before = cost_model.predict_units(units, cfg.beta0, cfg.policy)
+    if policy not in POLICIES:
+        raise ValueError(f"tune_budgets: policy must be one of {POLICIES}, got {policy!r}")
+    before = cost_model.predict_units(units, cfg.beta0, policy)
     if cfg.anchor == "recall" and cfg.enabled:
-        anchor = _recall_neutral_anchor(units, cost_model, cfg, before)
+        anchor = _recall_neutral_anchor(units, cost_model, cfg, policy, before)
     else:  # (disabled: the anchor is only logged)
         anchor = _anchor(before, "mean" if cfg.anchor == "recall" else cfg.anchor)
     attending, static = recalled_tokens(units, cfg.beta0, cost_model)
     if cfg.enabled:
-        budgets, after, n_clamped = _budgets_at(units, cost_model, cfg, before, anchor)
+        budgets, after, n_clamped = _budgets_at(units, cost_model, cfg, policy, before, anchor)
     else:
         budgets, after, n_clamped = np.full(len(units), cfg.beta0), before.copy(), 0
     return DSTDecision(

@@ -21,11 +21,12 @@ def step_units(plan: StepPlan, pipelined: bool) -> list[Unit]:
 
 
 def step_budgets(
-    plan: StepPlan, cost_model: CostModel, cfg: DSTConfig, pipelined: bool
+    plan: StepPlan, cost_model: CostModel, cfg: DSTConfig, policy: str, pipelined: bool
 ) -> tuple[list[list[float]], DSTDecision]:
     """Budget of every (DP rank, micro-batch): a pure function of the shared plan and
-    the (identically refit) cost model, so every rank agrees (cfg.enabled False: beta0)."""
-    decision = tune_budgets(step_units(plan, pipelined), cost_model, cfg)
+    the (identically refit) cost model, so every rank agrees (cfg.enabled False: beta0).
+    `policy`: the selection policy the budgets feed."""
+    decision = tune_budgets(step_units(plan, pipelined), cost_model, cfg, policy)
     flat = iter(decision.budgets)
     shape = [len(rank) for rank in plan.microbatches]
     if pipelined:

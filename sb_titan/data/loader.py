@@ -14,11 +14,10 @@ from __future__ import annotations
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
-import tyro
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 
@@ -118,6 +117,20 @@ def pack_microbatch(
     return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(positions)
 
 
+@dataclass(frozen=True)
+class StepPlanning:
+    """What the loader needs from the run to plan whole steps; the trainer passes it as an
+    argument (it comes from [sab], the step shape and the cost model, not [dataloader])."""
+
+    microbatches_per_step: int = 1
+    """Gradient-accumulation steps x pipeline micro-batches."""
+    sab: SABConfig = field(default_factory=lambda: SABConfig(policy="sequential"))
+    cost_fn: CostFn | None = None
+    """Predicted micro-batch latency (doc lens, densities); None: tokens plus a quadratic term."""
+    density_prior: DensityPrior | None = None
+    """Expected density of an unseen document at the default budget."""
+
+
 class SBDataLoader(BaseDataLoader):
     """Plans every step globally, packs only this rank's micro-batches."""
 
@@ -133,14 +146,10 @@ class SBDataLoader(BaseDataLoader):
         sample_log: bool = False
         """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
         (what resume and cross-rank tests compare)."""
-        microbatches_per_step: Annotated[int, tyro.conf.Suppress] = 1
-        """Set by the trainer: grad-accumulation steps x pipeline micro-batches."""
-        sab: Annotated[SABConfig, tyro.conf.Suppress] = field(default_factory=SABConfig)
-        """Set by the trainer from the top-level [sab] section."""
-        cost_fn: Annotated[CostFn | None, tyro.conf.Suppress] = None
-        """Set by the trainer: predicted micro-batch latency (doc lens, densities)."""
-        density_prior: Annotated[DensityPrior | None, tyro.conf.Suppress] = None
-        """Set by the trainer: expected density of an unseen document at the default budget."""
+
+        def build(self, *, planning: StepPlanning | None = None, **kwargs) -> SBDataLoader:
+            """TorchTitan's build(); a trainer passes the step planning (loader_planning)."""
+            return SBDataLoader(self, planning=planning, **kwargs)
 
     def __init__(
         self,
@@ -152,23 +161,25 @@ class SBDataLoader(BaseDataLoader):
         seq_len: int,
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,
+        planning: StepPlanning | None = None,
     ) -> None:
+        planning = planning or StepPlanning()
         self.config = config
         self.dp_rank = dp_rank
         self.seq_len = seq_len
         self.source = build_source(config, seq_len)
         pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
         self.pad_id = 0 if pad is None else pad
-        cost_fn = config.cost_fn or _token_count_cost
+        cost_fn = planning.cost_fn or _token_count_cost
         self.planner = Planner(
             self.source.lengths,
             seq_len=seq_len,
             dp=dp_world_size,
-            microbatches=config.microbatches_per_step,
+            microbatches=planning.microbatches_per_step,
             rows_per_microbatch=local_batch_size,
-            config=config.sab,
+            config=planning.sab,
             cost_fn=cost_fn,
-            density_prior=config.density_prior,
+            density_prior=planning.density_prior,
         )
         node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner), dp_rank)
         node = Mapper(node, self._pack)

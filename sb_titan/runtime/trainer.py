@@ -12,11 +12,13 @@ What it adds to the stock trainer, and nothing else:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ from sb_titan.balance.dst import DSTConfig, DSTDecision
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import step_budgets
+from sb_titan.data.loader import SBDataLoader, StepPlanning
 from sb_titan.data.source import check_vocabulary
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
 from sb_titan.models.qwen2_5.attention import (
@@ -97,7 +100,6 @@ class SBTrainer(Trainer):
                 self.model.flavor, attention=self.sparse_attention, dims=model_dims(self)
             )
             self.model_spec = with_microbatch_schedules(spec)
-            self.dst.policy = self.sparse_attention.policy
 
     def __init__(self, config: Config) -> None:
         self._step_plan: StepPlan | None = None
@@ -106,10 +108,11 @@ class SBTrainer(Trainer):
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
-        _configure_loader(config, copy.deepcopy(self.cost_model))
+        planning = loader_planning(config, copy.deepcopy(self.cost_model))
         tensorboard, config.metrics.enable_tensorboard = config.metrics.enable_tensorboard, False
         try:  # TensorBoard is built below: one run folder across restarts (runtime/elastic.py)
-            super().__init__(config)
+            with _building_loader_with(config, planning):
+                super().__init__(config)
         finally:
             config.metrics.enable_tensorboard = tensorboard
         self._first_step: int | None = None
@@ -157,7 +160,8 @@ class SBTrainer(Trainer):
             self._decision = None
             return [[cfg.beta0] * len(rank) for rank in plan.microbatches]
         pipelined = self.parallel_dims.pp_enabled
-        budgets, self._decision = step_budgets(plan, self.cost_model, cfg, pipelined)
+        policy = self.config.sparse_attention.policy
+        budgets, self._decision = step_budgets(plan, self.cost_model, cfg, policy, pipelined)
         if cfg.verify_ranks:
             _assert_same_everywhere(self._decision.digest(), f"DST budgets of step {plan.step}")
         return budgets
@@ -216,7 +220,7 @@ class SBTrainer(Trainer):
             return
         m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
         if self.cost_model is not None:
-            policy = self.config.dst.policy
+            policy = self.config.sparse_attention.policy
             predicted = {  # before this step's refit: an honest error
                 key: self.cost_model.predict_budget(
                     plan.microbatches[key[0]][key[1]].doc_lens,
@@ -383,20 +387,43 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     return model
 
 
-def _configure_loader(config: SBTrainer.Config, loader_cost_model: CostModel | None) -> None:
+def loader_planning(config: SBTrainer.Config, cost_model: CostModel | None) -> StepPlanning:
     """The loader plans whole steps, so it must know the micro-batches per step, the
     packing policy and predicted latency. It gets its own (never refit) cost model:
     it plans ahead in a prefetch thread, and plans must not depend on when a refit ran."""
-    loader = config.dataloader
-    if not hasattr(loader, "microbatches_per_step"):
-        return
     shape = step_shape(config, int(os.environ.get("WORLD_SIZE", "1")))
-    loader.microbatches_per_step = shape.microbatches
-    loader.sab = config.sab
-    if loader_cost_model is not None:
-        beta0, policy = config.dst.beta0, config.dst.policy
-        loader.cost_fn = loader_cost_model.predict
-        loader.density_prior = lambda n: loader_cost_model.density_for_budget(beta0, n, policy)
+    if cost_model is None:
+        return StepPlanning(shape.microbatches, config.sab)
+    beta0, policy = config.dst.beta0, config.sparse_attention.policy
+    return StepPlanning(
+        shape.microbatches,
+        config.sab,
+        cost_fn=cost_model.predict,
+        density_prior=lambda n: cost_model.density_for_budget(beta0, n, policy),
+    )
+
+
+@contextlib.contextmanager
+def _building_loader_with(config: SBTrainer.Config, planning: StepPlanning) -> Iterator[None]:
+    """TorchTitan's Trainer builds the loader as `config.dataloader.build(...)` with its own
+    arguments; while it does, that call also passes the step planning."""
+    loader = config.dataloader
+    if not isinstance(loader, SBDataLoader.Config):
+        yield
+        return
+    config.dataloader = _WithPlanning(loader, planning)
+    try:
+        yield
+    finally:
+        config.dataloader = loader
+
+
+class _WithPlanning:
+    def __init__(self, loader: SBDataLoader.Config, planning: StepPlanning) -> None:
+        self.loader, self.planning = loader, planning
+
+    def build(self, **kwargs) -> SBDataLoader:
+        return self.loader.build(planning=self.planning, **kwargs)
 
 
 def _plan_digest(plan: StepPlan) -> str:

@@ -76,6 +76,7 @@ class Scenario:
     steps: int = 10
     sab: SABConfig = field(default_factory=SABConfig)
     dst: DSTConfig = field(default_factory=DSTConfig)
+    selection: str = "mass"  # the budget's selection policy ([sparse_attention] policy)
     block_size: int = 64
     device: str | None = "h200"
     profile: str | None = None

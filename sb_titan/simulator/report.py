@@ -71,7 +71,7 @@ def report(
             "steps": sc.steps,
             "baseline_policy": sc.baseline_policy,
             "block_size": sc.block_size,
-            "policy": sc.dst.policy,
+            "policy": sc.selection,
             "dst": {
                 k: getattr(sc.dst, k) for k in ("anchor", "p", "beta0", "beta_min", "beta_max")
             },

@@ -34,12 +34,12 @@ def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
         profile=sc.profile,
         block_size=sc.block_size,
         beta0=sc.dst.beta0,
-        policy=sc.dst.policy,
+        policy=sc.selection,
         density_exponent=sc.density_exponent,
         first_less=sc.first_less,
         last_less=sc.last_less,
     )
-    return Simulator(cluster, dims, models, sc.dst, sc.network, sc.bwd_over_fwd)
+    return Simulator(cluster, dims, models, sc.dst, sc.selection, sc.network, sc.bwd_over_fwd)
 
 
 def simulate(
@@ -50,7 +50,9 @@ def simulate(
     lengths = sc.lengths if sc.lengths is not None else draw_lengths(cluster, sc.steps, sc.seed)
     sab = dataclasses.replace(sc.sab, seed=sc.seed)
     planners = {
-        policy: make_planner(lengths, cluster, sab, policy, sim.models.planning, sc.dst)
+        policy: make_planner(
+            lengths, cluster, sab, policy, sim.models.planning, sc.dst, sc.selection
+        )
         for policy in (sc.baseline_policy, "sab")
     }
     results: dict[str, list[StepResult]] = {v: [] for v in VARIANTS}

@@ -54,9 +54,10 @@ def make_planner(
     policy: str,
     cost_model: CostModel,
     dst: DSTConfig,
+    selection: str = "mass",
 ) -> Planner:
     """The trainer's planner: cost = cost_model.predict, density prior at beta0."""
-    prior = functools.cache(lambda n: cost_model.density_for_budget(dst.beta0, n, dst.policy))
+    prior = functools.cache(lambda n: cost_model.density_for_budget(dst.beta0, n, selection))
     return Planner(
         lengths,
         seq_len=cluster.seq_len,
@@ -95,6 +96,7 @@ class Simulator:
     dims: Qwen25Dims
     models: CostModels
     dst: DSTConfig
+    selection: str = "mass"  # the budget's selection policy
     network: Network = field(default_factory=Network)
     bwd_over_fwd: float = 2.0
 
@@ -116,7 +118,7 @@ class Simulator:
         out = np.empty((c.n_stages, c.microbatches, c.dp))
         for s, cm in enumerate(self.models.stages):
             if id(cm) not in by_model:
-                seconds = cm.predict_units(units, beta, self.dst.policy) * self.models.scale
+                seconds = cm.predict_units(units, beta, self.selection) * self.models.scale
                 by_model[id(cm)] = seconds.reshape(c.dp, c.microbatches).T
             out[s] = by_model[id(cm)]
         return out
@@ -125,7 +127,7 @@ class Simulator:
         """One variant of one step: budget it, time every stage, replay, reduce."""
         c = self.cluster
         budgets, decision = step_budgets(
-            plan, self.models.planning, self.dst_config(variant), c.pp > 1
+            plan, self.models.planning, self.dst_config(variant), self.selection, c.pp > 1
         )
         budgets = np.asarray(budgets)
         total = self.stage_seconds(plan, budgets)

@@ -106,7 +106,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
         seq_len, mbs, rows = step.seq_len, step.microbatches, step.rows
         sc.flavor = cfg.model.flavor
         sc.sab = cfg.sab
-        sc.dst = dataclasses.replace(cfg.dst, policy=cfg.sparse_attention.policy)
+        sc.dst, sc.selection = cfg.dst, cfg.sparse_attention.policy
         sc.block_size = cfg.sparse_attention.block_size
         sc.first_less = par.pipeline_parallel_first_stage_less_layers
         sc.last_less = par.pipeline_parallel_last_stage_less_layers
