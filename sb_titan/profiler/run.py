@@ -30,7 +30,6 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,6 +57,7 @@ from sb_titan.profiler.stage import (
     stage_module_names,
 )
 from sb_titan.profiler.timing import CLOCKS, Progress, load_average, time_grid
+from sb_titan.util.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -290,12 +290,8 @@ def run_profile(
 
 def write_profile(run: ProfileRun, path: str | os.PathLike) -> None:
     """Atomic write of the profile plus a `measurement` record (the loader ignores it)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = {**run.profile.to_dict(), "measurement": run.measurement}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
 
 
 def load_cost_model(

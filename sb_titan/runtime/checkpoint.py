@@ -31,6 +31,8 @@ import xxhash
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
+from sb_titan.util.files import write_atomic
+
 MANIFEST = "sb_integrity.json"
 FORMAT = 1
 ALGORITHM = "xxh3_64"
@@ -86,12 +88,7 @@ def hash_share(step_dir: Path, files: list[str], rank: int, world: int) -> dict[
 def write_manifest(step_dir: Path, entries: dict[str, dict]) -> None:
     """Atomically (temporary file, fsync, rename): a reader sees all of it or none."""
     body = {"format": FORMAT, "algorithm": ALGORITHM, "files": dict(sorted(entries.items()))}
-    tmp = step_dir / f"{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, step_dir / MANIFEST)
+    write_atomic(step_dir / MANIFEST, json.dumps(body, indent=1), durable=True)
 
 
 def _where(step_dir: Path) -> str:

@@ -27,6 +27,7 @@ from sb_titan.balance.cost_model import ProfileError
 from sb_titan.data.indexed import DatasetError
 from sb_titan.data.source import VocabularyError
 from sb_titan.runtime.checkpoint import CheckpointIntegrityError
+from sb_titan.util.files import write_atomic
 
 
 class NotRetryable(Exception):
@@ -114,9 +115,7 @@ def record_fatal(dump_folder: str | os.PathLike, error: BaseException) -> None:
         "rank": _rank(),
         "cause": one_line(error),
     }
-    tmp = path.with_name(f"{path.name}.rank{_rank()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record) + "\n")
 
 
 def earlier_fatal(dump_folder: str | os.PathLike) -> str | None:
@@ -160,9 +159,7 @@ def truncate_step_log(path: str | os.PathLike, first_step: int) -> None:
             continue
         if record.get("step", first_step) < first_step:
             kept.append(line + "\n")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(kept))
 
 
 # -- fault injection (tests only) -------------------------------------------------------------

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sb_titan.util.files import write_atomic
+
 PROFILE_FORMAT = "sb_titan.profile"
 
 
@@ -150,11 +152,7 @@ class Profile:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically, so an interrupted profiler never leaves a truncated file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:

@@ -1,0 +1,1 @@
+"""Small helpers with no project imports, usable from every layer."""
