@@ -62,8 +62,18 @@ rc=0
 
 # A rank hit an error that restarts would only repeat (config, data, profile): the next
 # attempt's ranks stopped at once; report the recorded cause and fail.
+cause() { .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1])); print("%s (rank %s, attempt %s)" % (r["cause"], r["rank"], r["attempt"]))' "$1"; }
 if [ -s "$fatal_file" ]; then
-  echo "sb_titan: not retried: $(.venv/bin/python -c 'import json,sys; print(json.load(open(sys.argv[1]))["cause"])' "$fatal_file")" >&2
+  echo "sb_titan: not retried: $(cause "$fatal_file")" >&2
   exit 3
+fi
+# Any other failure ends the output with its cause once (the tracebacks are above).
+failure_file="$(dirname "$fatal_file")/last_failure.json"
+if [ "$rc" -ne 0 ]; then
+  if [ -s "$failure_file" ]; then
+    echo "sb_titan: failed: $(cause "$failure_file")" >&2
+  else
+    echo "sb_titan: failed: a rank exited with status $rc without a Python error (killed?)" >&2
+  fi
 fi
 exit "$rc"

@@ -69,7 +69,7 @@ def test_restarts_without_checkpoints_warn():
 def test_fatal_record_only_stops_later_attempts_of_the_same_job(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    elastic.record_fatal(tmp_path, ConfigError("x.toml: bad key 'a.b'"))
+    elastic.record_failure(tmp_path, ConfigError("x.toml: bad key 'a.b'"))
     assert elastic.earlier_fatal(tmp_path) is None  # the attempt that failed
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert elastic.earlier_fatal(tmp_path) == "ConfigError: x.toml: bad key 'a.b'"
@@ -114,6 +114,23 @@ def test_non_retryable_error_is_not_retried(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"sb_titan: not retried: DatasetError: {data / 'meta.json'}: sample")
     assert "above its max_token_id 10" in last
+
+
+@pytest.mark.torchrun
+def test_a_failing_job_ends_with_its_cause_once(tmp_path):
+    """An error restarts do not fix (here an injected one, on every attempt) is retried,
+    and the job's output ends with the cause as one line."""
+    proc = _run_train(
+        tmp_path,
+        "--training.steps",
+        "3",
+        MAX_RESTARTS="1",
+        NGPU="1",
+        SB_FAULT_RAISE_AT_STEP="2",
+    )
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]  # attempt 1: it was retried once
+    assert last == "sb_titan: failed: RuntimeError: injected fault at step 2 (rank 0, attempt 1)"
 
 
 def _indexed(path) -> list[str]:

@@ -35,6 +35,9 @@ class NotRetryable(Exception):
 
 
 FATAL_FILE = "fatal_error.json"
+FAILURE_FILE = "last_failure.json"
+"""The latest error any rank of this job died of (retried or not): run_train.sh ends
+with it as one line when the job fails."""
 NOT_RETRIED_EXIT = 3
 """Exit status of a job stopped by an error that a restart would only repeat."""
 LAUNCHER_ENV = "SB_LAUNCHER"
@@ -74,6 +77,7 @@ def prelaunch(config, max_restarts: int) -> Path:
     warning = restart_warning(config, max_restarts)
     if warning:
         print(f"sb_titan: warning: {warning}", file=sys.stderr)
+    Path(config.dump_folder, FAILURE_FILE).unlink(missing_ok=True)
     path = fatal_path(config.dump_folder)
     path.unlink(missing_ok=True)
     return path
@@ -104,18 +108,23 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {last}".rstrip(": ")
 
 
-def record_fatal(dump_folder: str | os.PathLike, error: BaseException) -> None:
-    """Leave the cause where the next attempt's ranks (on any node: dump_folder is shared)
-    and run_train.sh find it. Written atomically; any failing rank may write it."""
-    path = fatal_path(dump_folder)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record = {
+def record_failure(dump_folder: str | os.PathLike, error: BaseException) -> None:
+    """Every rank that dies of an exception leaves its cause in one line; an error a
+    restart would only repeat also goes where the next attempt's ranks (on any node:
+    dump_folder is shared) and run_train.sh find it. Written atomically."""
+    record = json.dumps(_record(error)) + "\n"
+    write_atomic(Path(dump_folder, FAILURE_FILE), record)
+    if is_permanent(error):
+        write_atomic(fatal_path(dump_folder), record)
+
+
+def _record(error: BaseException) -> dict:
+    return {
         "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "attempt": restart_count(),
         "rank": _rank(),
         "cause": one_line(error),
     }
-    write_atomic(path, json.dumps(record) + "\n")
 
 
 def earlier_fatal(dump_folder: str | os.PathLike) -> str | None:
@@ -165,11 +174,16 @@ def truncate_step_log(path: str | os.PathLike, first_step: int) -> None:
 # -- fault injection (tests only) -------------------------------------------------------------
 def maybe_inject_fault(step: int) -> None:
     """Test-only: SB_FAULT_KILL_AT_STEP=N SB_FAULT_KILL_RANK=R makes rank R SIGKILL itself
-    at the start of step N of the first attempt, like a lost node would."""
+    at the start of step N of the first attempt, like a lost node would;
+    SB_FAULT_RAISE_AT_STEP=N makes rank R raise a (retryable) RuntimeError at step N of
+    every attempt, like a bug would."""
+    rank = int(os.environ.get("SB_FAULT_KILL_RANK", "0"))
+    if _rank() != rank:
+        return
+    if os.environ.get("SB_FAULT_RAISE_AT_STEP") == str(step):
+        raise RuntimeError(f"injected fault at step {step}")
     at = os.environ.get("SB_FAULT_KILL_AT_STEP")
     if not at or restart_count() != 0 or step != int(at):
-        return
-    if _rank() != int(os.environ.get("SB_FAULT_KILL_RANK", "0")):
         return
     print(f"sb_titan: fault injection: killing rank {_rank()} at step {step}", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -108,8 +108,7 @@ def run(config) -> None:
         else:
             trainer.train()
     except Exception as e:
-        if elastic.is_permanent(e):  # a restart would repeat it: tell the next attempt
-            elastic.record_fatal(config.dump_folder, e)
+        elastic.record_failure(config.dump_folder, e)  # the job's last line, if it fails
         if trainer is not None:
             trainer.close()
         raise
