@@ -4,7 +4,7 @@ What it adds to the stock trainer, and nothing else:
   * recipe config sections ([model], [sparse_attention], [sab], [dst], [cost_model]);
   * the global step plan from the loader → DST budgets for every (DP rank,
     micro-batch), identical on every rank → `attention_masks = AttnMeta(doc_id, budget,
-    microbatch)`, which the pipeline schedule hands to every stage;
+    microbatch, stats)`, which the pipeline schedule hands to every stage;
   * per-micro-batch measurements (time per stage, realised density, recall),
     all-gathered so every rank refits the cost model and feeds SAB identically;
   * TensorBoard scalars next to TorchTitan's loss / step time / tokens per second.
