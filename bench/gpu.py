@@ -1,0 +1,316 @@
+"""What a person with a GPU runs first: sb_titan's attention kernels, checked and timed.
+
+    python bench/gpu.py [--parts a,b,c] [--out bench/results]     # on a CUDA GPU
+    python bench/gpu.py --dry-run                                 # CPU, tiny shapes (CI)
+
+(a) correctness: the Triton block-sparse forward and backward against the recipe's
+    PyTorch path (sb_titan.attention.block_sparse, fp32) on the same block table, from
+    real `topk` selection, GQA 7:1, L in {8K, 32K, 128K}, block sizes 64 and 128.
+(b) speed: forward and forward+backward of the Triton kernels at densities 1, 0.5, 0.25
+    and 0.1, as TFLOP/s per computed block pair (4·Bs²·D per pair forward, 10·Bs²·D
+    backward with recomputation), beside dense causal SDPA on one document (whatever
+    backend torch picks: flash where it can) and FlexAttention on the same block table,
+    in one run, CUDA events, median of repeats after warm-up. The per-kernel split of the
+    backward (preprocess, dQ, dK/dV) is not timed separately yet.
+(c) a one-GPU training step: needs torchtitan and torchdata; says what is missing and
+    skips otherwise. It runs `sb_titan.tools.train` with Qwen2.5-0.5B at 32K rows, sparse
+    and dense, compile off and on, and reports step time and peak memory from
+    TensorBoard. The four-variant balance comparison needs >= 2 GPUs (bench/e2e.py).
+
+(a) and (b) import only torch, Triton and the recipe's attention ops and kernels, so they
+run from a source checkout without torchtitan. `--dry-run` runs the same code at tiny
+shapes on the CPU with the Triton interpreter (timings there mean nothing and are not
+reported). Writes `<out>/gpu_<device>.json` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if "--dry-run" in sys.argv:  # before Triton is imported: the interpreter is chosen then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("SB_TRITON_UPCAST", "1")
+if importlib.util.find_spec("sb_titan") is None:  # a source checkout without install
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+HEADS = [(14, 2, 64), (28, 4, 128)]  # Qwen2.5-0.5B and 7B: GQA 7:1, head_dim 64 / 128
+FULL = {"lengths": [8192, 32768, 131072], "blocks": [64, 128], "heads": HEADS, "repeats": 10}
+DRY = {"lengths": [256], "blocks": [64], "heads": [(7, 1, 64)], "repeats": 1}
+DENSITIES = [1.0, 0.5, 0.25, 0.1]
+TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}  # max abs error vs fp32 reference
+
+
+def _inputs(L: int, heads: tuple[int, int, int], dtype, device, seed: int = 0):
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(1, h, L, d, generator=gen) for h in (hq, hkv, hkv))
+    # two documents, the second starting mid-row, so document masking is exercised
+    doc_id = (torch.arange(L) >= L // 2 + 17).to(torch.int32)[None]
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v)], doc_id.to(device)
+
+
+def _table(q, k, doc_id, density: float, block: int):
+    from sb_titan.attention.selection import select_blocks
+
+    table, stats = select_blocks(q, k, doc_id, density, policy="topk", block_size=block)
+    return table, float(stats.density.mean())
+
+
+def check(L: int, heads, block: int, density: float, dtype, device) -> dict:
+    """(a): max abs error of out, dq, dk, dv against the PyTorch path in fp32."""
+    from sb_titan_kernels import block_sparse_attention_triton
+
+    from sb_titan.attention.block_sparse import block_sparse_attention
+
+    (q, k, v), doc_id = _inputs(L, heads, dtype, device)
+    table, realised = _table(q.float(), k.float(), doc_id, density, block)
+    grad = torch.randn_like(q)
+    errors = {}
+    results = []
+    for fn, cast in ((block_sparse_attention_triton, dtype), (block_sparse_attention, None)):
+        xs = [t.detach().to(cast or torch.float32).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, doc_id, table)
+        out.backward(grad.to(out.dtype))
+        results.append([out.detach().float()] + [x.grad.float() for x in xs])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        errors[name] = float((a - b).abs().max())
+    ok = max(errors.values()) <= TOLERANCE[dtype]
+    return {"realised_density": realised, "max_abs_error": errors, "ok": ok}
+
+
+def _median_ms(fn, repeats: int, device) -> float | None:
+    if device.type != "cuda":
+        fn()  # the dry run executes the code path once; its time means nothing
+        return None
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def speed(L: int, heads, block: int, density: float, repeats: int, device) -> dict:
+    """(b): Triton forward and forward+backward beside dense SDPA and Flex, same inputs."""
+    from sb_titan_kernels import block_sparse_attention_triton
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    (q, k, v), doc_id = _inputs(L, heads, dtype, device)
+    table, realised = _table(q.float(), k.float(), doc_id, density, block)
+    pairs = int(table.kv_count.sum()) * (heads[0] // heads[1])  # per q head
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def fwd():
+        with torch.no_grad():
+            block_sparse_attention_triton(q, k, v, doc_id, table)
+
+    def fwd_bwd():
+        out = block_sparse_attention_triton(qg, kg, vg, doc_id, table)
+        out.backward(torch.ones_like(out))
+
+    row = {"realised_density": realised, "block_pairs": pairs}
+    row["triton_fwd_ms"] = _median_ms(fwd, repeats, device)
+    row["triton_fwd_bwd_ms"] = _median_ms(fwd_bwd, repeats, device)
+    d = heads[2]
+    if row["triton_fwd_ms"] is not None:
+        row["fwd_tflops_per_pair"] = 4 * block * block * d * pairs / row["triton_fwd_ms"] / 1e9
+        bwd_ms = row["triton_fwd_bwd_ms"] - row["triton_fwd_ms"]
+        row["bwd_tflops_per_pair"] = 10 * block * block * d * pairs / max(bwd_ms, 1e-9) / 1e9
+    row.update(_peers(q, k, v, doc_id, table, block, repeats, device))
+    return row
+
+
+def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
+    """Dense causal SDPA over one document and FlexAttention on the same block table."""
+    out: dict = {}
+    if device.type != "cuda":
+        return {"peers": "timed on CUDA only"}
+    import torch.nn.functional as F
+
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    out["sdpa_dense_fwd_ms"] = _median_ms(
+        lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=True), repeats, device
+    )
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        ids = doc_id[0]
+
+        def mask_mod(b, h, qi, ki):
+            return (qi >= ki) & (ids[qi] == ids[ki])
+
+        # Flex takes one pattern per query head (or one for all): repeat each KV head's
+        # pattern over its G query heads.
+        mask = BlockMask.from_kv_blocks(
+            table.kv_count.repeat_interleave(g, 1),
+            table.kv_index.repeat_interleave(g, 1),
+            BLOCK_SIZE=block,
+            mask_mod=mask_mod,
+        )
+        flex = torch.compile(flex_attention)
+        out["flex_fwd_ms"] = _median_ms(
+            lambda: flex(q, k, v, block_mask=mask, enable_gqa=True), repeats, device
+        )
+    except Exception as e:  # report, do not hide: Flex is a peer, not the subject
+        out["flex_error"] = f"{type(e).__name__}: {e}"[:300]
+    return out
+
+
+def train_step(device) -> dict:
+    """(c): what it needs, and a short run of each variant when it is there."""
+    missing = [m for m in ("torchtitan", "torchdata") if importlib.util.find_spec(m) is None]
+    if device.type != "cuda":
+        missing.append("a CUDA GPU")
+    if missing:
+        return {"skipped": f"needs {', '.join(missing)}"}
+    rows = {}
+    config = REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
+    for name, extra in {
+        "sparse": [],
+        "dense": ["--sparse_attention.no-enabled"],
+        "sparse_compiled": ["--compile.enable"],
+    }.items():
+        with tempfile.TemporaryDirectory() as dump:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--nproc_per_node=1", "-m", "sb_titan.tools.train", "--config_file"]
+            cmd += [str(config), "--dump_folder", dump, "--training.seq_len", "32768"]
+            cmd += ["--training.steps", "6", "--checkpoint.no-enable", *extra]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                rows[name] = {"failed": (proc.stdout + proc.stderr)[-1500:]}
+                continue
+            from sb_titan.runtime.tensorboard import read_scalars
+
+            scalars = read_scalars(dump)
+            steps = scalars.get("time_metrics/end_to_end(s)", {})
+            memory = scalars.get("memory/max_reserved(GiB)", {})
+            rows[name] = {
+                "step_s": statistics.median(v for s, v in steps.items() if s > 2),
+                "peak_reserved_gib": max(memory.values()) if memory else None,
+            }
+    return rows
+
+
+def run(parts: set[str], dry_run: bool) -> dict:
+    device = torch.device("cpu" if dry_run else "cuda")
+    grid = DRY if dry_run else FULL
+    dtypes = [torch.float32] if dry_run else [torch.float32, torch.bfloat16]
+    report: dict = {"device": _device_name(device), "dry_run": dry_run, "env": _env()}
+    if "a" in parts:
+        report["correctness"] = [
+            {"L": L, "heads": h, "block": b, "dtype": str(dt), **check(L, h, b, 0.25, dt, device)}
+            for L in grid["lengths"]
+            for h in grid["heads"]
+            for b in grid["blocks"]
+            for dt in dtypes
+        ]
+    if "b" in parts:
+        report["speed"] = [
+            {"L": L, "heads": h, "block": b, "density": rho}
+            | speed(L, h, b, rho, grid["repeats"], device)
+            for L in grid["lengths"]
+            for h in grid["heads"]
+            for b in grid["blocks"]
+            for rho in DENSITIES
+        ]
+    if "c" in parts:
+        report["train_step"] = train_step(device)
+    return report
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
+
+
+def _env() -> dict:
+    import triton
+
+    cuda = torch.version.cuda
+    return {"torch": torch.__version__, "triton": triton.__version__, "cuda": cuda}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"device: {report['device']}"]
+    if "correctness" in report:
+        lines += [
+            "",
+            "| L | heads | block | dtype | density | max abs error (out, dq, dk, dv) | ok |",
+        ]
+        lines += ["|---|---|---|---|---|---|---|"]
+        for r in report["correctness"]:
+            e = r["max_abs_error"]
+            err = ", ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv"))
+            lines.append(
+                f"| {r['L']} | {r['heads']} | {r['block']} | {r['dtype']} | "
+                f"{r['realised_density']:.3f} | {err} | {r['ok']} |"
+            )
+    if "speed" in report:
+        lines += ["", "| L | heads | block | density | fwd ms | fwd+bwd ms | fwd TFLOP/s | "]
+        lines[-1] += "bwd TFLOP/s | SDPA dense fwd ms | Flex fwd ms |"
+        lines += ["|---|---|---|---|---|---|---|---|---|---|"]
+        fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
+        for r in report["speed"]:
+            lines.append(
+                f"| {r['L']} | {r['heads']} | {r['block']} | {r['realised_density']:.3f} | "
+                + " | ".join(
+                    fmt(r.get(k))
+                    for k in (
+                        "triton_fwd_ms",
+                        "triton_fwd_bwd_ms",
+                        "fwd_tflops_per_pair",
+                        "bwd_tflops_per_pair",
+                        "sdpa_dense_fwd_ms",
+                        "flex_fwd_ms",
+                    )
+                )
+                + " |"
+            )
+    if "train_step" in report:
+        lines += ["", f"training step: {json.dumps(report['train_step'])}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="a,b,c", help="comma list of a, b, c")
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (interpreter)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print(
+            "bench/gpu.py: no CUDA GPU here; use --dry-run to check the code path", file=sys.stderr
+        )
+        return 2
+    report = run(set(args.parts.split(",")), args.dry_run)
+    print(markdown(report))
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "dry_run" if args.dry_run else report["device"].lower().replace(" ", "_")
+    path = args.out / f"gpu_{name}.json"
+    path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
+    failed = [r for r in report.get("correctness", []) if not r["ok"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
