@@ -35,7 +35,12 @@ def cpu_env(**extra: str) -> dict[str, str]:
 
 
 def torchrun(
-    nproc: int, args: list[str], dump: Path, timeout: int = 300, config: Path = DEBUG_TOML
+    nproc: int,
+    args: list[str],
+    dump: Path,
+    timeout: int = 300,
+    config: Path = DEBUG_TOML,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run `python -m sb_titan.tools.train` under a real torchrun with `nproc` CPU processes."""
     cmd = [
@@ -54,7 +59,7 @@ def torchrun(
         *args,
     ]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=REPO, env=cpu_env(**(env or {})), capture_output=True, text=True, timeout=timeout
     )
     if proc.returncode != 0:
         pytest.fail(
