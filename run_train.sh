@@ -38,7 +38,9 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:
 # Fail fast, once, with one clear line on a bad config, profile, dataset or checkpoint
 # (before spawning ranks; sb_titan/config/preflight.py); warn about restarts without
 # checkpoints; learn where a rank records the error that stopped it.
-fatal_file="$(WORLD_SIZE=$((NGPU * NNODES)) .venv/bin/python -m sb_titan.tools.train \
+world=()  # the step shape is checked for a fixed world size (not for NNODES=min:max)
+[[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
+fatal_file="$("${world[@]}" .venv/bin/python -m sb_titan.tools.train \
   --prelaunch --config_file "$CONFIG_FILE" "$@" | tail -n 1)"
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
