@@ -43,24 +43,18 @@ def plan_digest(plans) -> str:
 
 
 def packing_digests() -> dict[str, str]:
-    from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
+    from sb_titan.balance.sab import AnalyticCost, SABConfig
     from sb_titan.data.longtail import longtail_v1
+    from sb_titan.tools.plan import shape_planner
 
     bench = _load_bench("packing")
     lengths = longtail_v1(bench.DOCS, bench.R, bench.SEED)
     out = {}
     for policy in ("sequential", "tokens", "sab"):
         for observed in (False, True):
-            s = bench.SHAPE
-            planner = Planner(
-                lengths,
-                seq_len=s.seq_len,
-                dp=s.dp,
-                microbatches=s.microbatches,
-                rows_per_microbatch=s.rows,
-                config=SABConfig(policy=policy, seed=bench.SEED),
-                cost_fn=AnalyticCost(s.seq_len, bench.ATTENTION_SHARE),
-            )
+            sab = SABConfig(policy=policy, seed=bench.SEED)
+            cost = AnalyticCost(bench.R, bench.ATTENTION_SHARE)
+            planner = shape_planner(lengths, bench.SHAPE, sab, cost)
             if observed:
                 bench.observed_densities(planner)
             plans = [planner.next_step() for _ in range(PACKING_STEPS)]

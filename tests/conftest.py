@@ -110,3 +110,8 @@ def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
                 proj.bias.normal_(0, 0.5)
     model.save_pretrained(path)
     return model
+
+
+def indexed_args(path: Path) -> list[str]:
+    """CLI overrides that train on the sb-prep dataset at `path`."""
+    return ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", str(path)]

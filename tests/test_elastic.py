@@ -8,7 +8,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import REPO, TINY, cpu_env, losses, sample_log
+from conftest import REPO, TINY, cpu_env, indexed_args, losses, sample_log
 
 from sb_titan.config.toml import ConfigError, load_config
 from sb_titan.data.indexed import IndexedWriter
@@ -94,7 +94,7 @@ def test_non_retryable_error_is_not_retried(tmp_path):
     """A data error raised inside the ranks ends the job once with its cause, though
     restarts are allowed; restarts without checkpointing were warned about first. (A
     missing dataset never gets that far: the launch stops before spawning ranks.)"""
-    missing = _run_train(tmp_path, *_indexed(tmp_path / "missing"), MAX_RESTARTS="2")
+    missing = _run_train(tmp_path, *indexed_args(tmp_path / "missing"), MAX_RESTARTS="2")
     assert missing.returncode == 2 and "[rank" not in missing.stdout + missing.stderr
     assert "missing: dataset directory not found" in missing.stderr
     # Metadata that passes the launch check but lies about the tokens: found on read.
@@ -105,7 +105,7 @@ def test_non_retryable_error_is_not_retried(tmp_path):
     writer.close({"source": "tests"})
     meta = json.loads((data / "meta.json").read_text())
     (data / "meta.json").write_text(json.dumps({**meta, "max_token_id": 10}))
-    proc = _run_train(tmp_path, *_indexed(data), MAX_RESTARTS="2", NGPU="1")
+    proc = _run_train(tmp_path, *indexed_args(data), MAX_RESTARTS="2", NGPU="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode == elastic.NOT_RETRIED_EXIT, out[-4000:]
     assert "MAX_RESTARTS=2 but checkpoint.enable is false" in proc.stderr
@@ -131,10 +131,6 @@ def test_a_failing_job_ends_with_its_cause_once(tmp_path):
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]  # attempt 1: it was retried once
     assert last == "sb_titan: failed: RuntimeError: injected fault at step 2 (rank 0, attempt 1)"
-
-
-def _indexed(path) -> list[str]:
-    return ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", str(path)]
 
 
 @pytest.mark.torchrun

@@ -7,7 +7,7 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import DEBUG_TOML, REPO, cpu_env
+from conftest import DEBUG_TOML, REPO, cpu_env, indexed_args
 
 from sb_titan.data.indexed import META, DatasetError, IndexedDataset, IndexedWriter
 from sb_titan.tools.train import main
@@ -37,20 +37,16 @@ def _check(capsys, *args: str, world: str | None = None, monkeypatch=None) -> st
     return lines[0]
 
 
-def _indexed(path) -> list[str]:
-    return ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", str(path)]
-
-
 def test_a_good_config_passes(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     main(["--check-config", "--config_file", str(DEBUG_TOML)])
-    main(["--check-config", "--config_file", str(DEBUG_TOML), *_indexed(_dataset(tmp_path))])
+    main(["--check-config", "--config_file", str(DEBUG_TOML), *indexed_args(_dataset(tmp_path))])
 
 
 def test_token_ids_beyond_the_vocabulary(tmp_path, capsys):
     """Died with `IndexError: index out of range in self` from the embedding, 237 lines."""
     data = _dataset(tmp_path / "other_tokenizer", top_id=5000)
-    line = _check(capsys, *_indexed(data))
+    line = _check(capsys, *indexed_args(data))
     assert f"indexed({data}): token id 5000 does not fit the model's vocabulary of 1024" in line
 
 
@@ -60,7 +56,7 @@ def test_older_datasets_without_max_token_id_are_scanned(tmp_path, capsys):
     del meta["max_token_id"]
     (data / META).write_text(json.dumps(meta))
     assert IndexedDataset(data).max_token_id() == 4000
-    assert "token id 4000" in _check(capsys, *_indexed(data))
+    assert "token id 4000" in _check(capsys, *indexed_args(data))
 
 
 def test_an_edited_max_token_id_is_caught_when_reading(tmp_path):
@@ -89,7 +85,7 @@ def test_corrupt_datasets(tmp_path, capsys, breakage, needle):
         (data / META).write_text(json.dumps({**meta, "num_tokens": meta["num_tokens"] + 1}))
     else:
         (data / "index.npy").unlink()
-    line = _check(capsys, *_indexed(data))
+    line = _check(capsys, *indexed_args(data))
     assert str(DEBUG_TOML) in line and needle in line, line
 
 
@@ -116,7 +112,7 @@ def test_step_shape_for_the_launch_world_size(capsys, monkeypatch):
 def test_run_train_sh_stops_before_spawning(tmp_path):
     data = _dataset(tmp_path / "ds", top_id=5000)
     proc = subprocess.run(
-        ["./run_train.sh", "--dump_folder", str(tmp_path / "out"), *_indexed(data)],
+        ["./run_train.sh", "--dump_folder", str(tmp_path / "out"), *indexed_args(data)],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -44,6 +44,7 @@ class IndexedDataset:
         self._lengths = index[:, 1].copy()
         _check_layout(self.path / INDEX, index, self.meta["num_tokens"])
         self._tokens = _map_tokens(self.path / TOKENS, self.dtype, self.meta["num_tokens"])
+        self._recorded_max = self.meta.get("max_token_id")  # checked on every read
 
     @property
     def lengths(self) -> np.ndarray:
@@ -63,7 +64,7 @@ class IndexedDataset:
             )
         at = int(self._offsets[sample_id]) + start
         tokens = self._tokens[at : at + length].astype(np.int64)
-        top = self.meta.get("max_token_id")
+        top = self._recorded_max
         if top is not None and length and int(tokens.max()) > top:
             raise DatasetError(
                 f"{self.path / META}: sample {sample_id} holds token id {int(tokens.max())}, "

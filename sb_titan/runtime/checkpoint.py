@@ -332,16 +332,15 @@ def check_checkpoint_folder(config) -> None:
     if not ck.enable or ck.create_seed_checkpoint:
         return
     folder = Path(config.dump_folder) / ck.folder
-    checksums = getattr(ck, "verify_before_launch", True)
-    check = lambda d: verify(d, checksums=checksums)
+    check = lambda d: verify(d, checksums=ck.verify_before_launch)
     if folder.exists():
         if not folder.is_dir() or not os.access(folder, os.R_OK | os.X_OK):
             raise CheckpointIntegrityError(f"checkpoint folder {folder} is not a readable folder")
         step, _ = choose_step(
             folder,
             ck.load_step,
-            fallback=getattr(ck, "fallback_to_previous", False),
-            allow_unverified=getattr(ck, "allow_unverified", False),
+            fallback=ck.fallback_to_previous,
+            allow_unverified=ck.allow_unverified,
             check=check,
         )
         if step != -1:

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -109,12 +111,8 @@ class SBTrainer(Trainer):
         self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
         planning = loader_planning(config, copy.deepcopy(self.cost_model))
-        tensorboard, config.metrics.enable_tensorboard = config.metrics.enable_tensorboard, False
-        try:  # TensorBoard is built below: one run folder across restarts (runtime/elastic.py)
-            with _building_loader_with(config, planning):
-                super().__init__(config)
-        finally:
-            config.metrics.enable_tensorboard = tensorboard
+        with _as_torchtitan_builds(config, planning) as tensorboard:
+            super().__init__(config)
         self._first_step: int | None = None
         if tensorboard:
             add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
@@ -137,7 +135,7 @@ class SBTrainer(Trainer):
             self._log_samples(plan, mb_index, budget)
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
-        stats = self._mb_stats.setdefault(mb_index, positions.new_zeros(4, dtype=torch.float32))
+        stats = self._mb_stats[mb_index] = positions.new_zeros(4, dtype=torch.float32)
         extra["attention_masks"] = AttnMeta(
             doc_id=doc_ids_from_positions(positions),
             budget=torch.full((positions.shape[0],), budget, device=positions.device),
@@ -200,8 +198,9 @@ class SBTrainer(Trainer):
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
         seconds = self._clock.seconds()
         # [density_sum, rows, recall_sum, tokens] of the sparse layers (one host copy)
-        totals = {mb: t.tolist() for mb, t in self._mb_stats.items()}
-        stats = {mb: v for mb, v in totals.items() if v[1] > 0}
+        mbs = sorted(self._mb_stats)
+        totals = torch.stack([self._mb_stats[mb] for mb in mbs]).tolist() if mbs else []
+        stats = {mb: v for mb, v in zip(mbs, totals, strict=True) if v[1] > 0}
         return {
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
@@ -404,26 +403,21 @@ def loader_planning(config: SBTrainer.Config, cost_model: CostModel | None) -> S
 
 
 @contextlib.contextmanager
-def _building_loader_with(config: SBTrainer.Config, planning: StepPlanning) -> Iterator[None]:
-    """TorchTitan's Trainer builds the loader as `config.dataloader.build(...)` with its own
-    arguments; while it does, that call also passes the step planning."""
-    loader = config.dataloader
-    if not isinstance(loader, SBDataLoader.Config):
-        yield
-        return
-    config.dataloader = _WithPlanning(loader, planning)
+def _as_torchtitan_builds(config: SBTrainer.Config, planning: StepPlanning) -> Iterator[bool]:
+    """While TorchTitan's Trainer builds its parts: the loader's `build(...)` call also
+    passes the step planning, and TensorBoard is left to the recipe (one run folder
+    across restarts, runtime/tensorboard.py). Yields whether TensorBoard was on; the
+    config is restored however the build ends."""
+    loader, tensorboard = config.dataloader, config.metrics.enable_tensorboard
+    if isinstance(loader, SBDataLoader.Config):
+        config.dataloader = SimpleNamespace(
+            build=functools.partial(loader.build, planning=planning)
+        )
+    config.metrics.enable_tensorboard = False
     try:
-        yield
+        yield tensorboard
     finally:
-        config.dataloader = loader
-
-
-class _WithPlanning:
-    def __init__(self, loader: SBDataLoader.Config, planning: StepPlanning) -> None:
-        self.loader, self.planning = loader, planning
-
-    def build(self, **kwargs) -> SBDataLoader:
-        return self.loader.build(planning=self.planning, **kwargs)
+        config.dataloader, config.metrics.enable_tensorboard = loader, tensorboard
 
 
 def _plan_digest(plan: StepPlan) -> str:

@@ -25,6 +25,19 @@ from sb_titan.data.longtail import longtail_v1
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
 
 
+def shape_planner(lengths: np.ndarray, shape: StepShape, sab: SABConfig, cost_fn) -> Planner:
+    """A planner for steps of `shape` (what the loader would build for that shape)."""
+    return Planner(
+        lengths,
+        seq_len=shape.seq_len,
+        dp=shape.dp,
+        microbatches=shape.microbatches,
+        rows_per_microbatch=shape.rows,
+        config=sab,
+        cost_fn=cost_fn,
+    )
+
+
 def evaluate(
     lengths: np.ndarray,
     shape: StepShape,
@@ -36,24 +49,11 @@ def evaluate(
     """Plan `steps` steps; mean per-step statistics plus planning samples/s. `setup`
     prepares each fresh planner (e.g. feeds it observed densities)."""
     cost = AnalyticCost(shape.seq_len, attention_share)
-
-    def planner() -> Planner:
-        p = Planner(
-            lengths,
-            seq_len=shape.seq_len,
-            dp=shape.dp,
-            microbatches=shape.microbatches,
-            rows_per_microbatch=shape.rows,
-            config=sab,
-            cost_fn=cost,
-        )
-        if setup is not None:
-            setup(p)
-        return p
-
     best = float("inf")
     for _ in range(TIMING_REPEATS):
-        p = planner()
+        p = shape_planner(lengths, shape, sab, cost)
+        if setup is not None:
+            setup(p)
         start = time.perf_counter()
         plans = [p.next_step() for _ in range(steps)]
         best = min(best, time.perf_counter() - start)
