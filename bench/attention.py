@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sb_titan.attention.block_sparse import block_sparse_attention
+from sb_titan.attention.ops import block_sparse_attention
 from sb_titan.attention.selection import select_blocks
 
 HQ, HKV, HEAD_DIM, BLOCK = 14, 2, 64, 64

@@ -72,7 +72,7 @@ def check(L: int, heads, block: int, density: float, dtype, device) -> dict:
     """(a): max abs error of out, dq, dk, dv against the PyTorch path in fp32."""
     from sb_titan_kernels import block_sparse_attention_triton
 
-    from sb_titan.attention.block_sparse import block_sparse_attention
+    from sb_titan.attention.ops import block_sparse_attention
 
     (q, k, v), doc_id = _inputs(L, heads, dtype, device)
     table, realised = _table(q.float(), k.float(), doc_id, density, block)

@@ -13,6 +13,8 @@ from .block_sparse_attn import (
     attn_tiles,
     block_sparse_attention_ref,
     block_sparse_attention_triton,
+    block_sparse_backward_triton,
+    block_sparse_forward_triton,
     table_block_size,
     table_token_mask,
 )
@@ -40,6 +42,8 @@ __all__ = [
     "block_probs_triton",
     "block_sparse_attention_ref",
     "block_sparse_attention_triton",
+    "block_sparse_backward_triton",
+    "block_sparse_forward_triton",
     "est_tiles",
     "estimate_block_mass_ref",
     "estimate_block_mass_triton",

@@ -550,6 +550,46 @@ def _prepare_table(
     return kv_count, kv_index, q_count, q_index
 
 
+def _prepare(q, k, v, doc_id, table: BlockTable, scale: float | None):
+    """Checked, kernel-ready operands: last dims contiguous, int32 tables and doc ids."""
+    _check_inputs(q, k, v, doc_id)
+    tensors = _prepare_table(table, q.shape[0], k.shape[1])
+    block_size = table_block_size(table, q.shape[2])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    return q, k, v, doc_id.to(torch.int32).contiguous(), tensors, block_size, scale
+
+
+def block_sparse_forward_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_id: torch.Tensor,
+    table: BlockTable,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward kernel alone: (out like q, lse [B, Hq, L] fp32), for callers that own the
+    autograd (the recipe's custom ops)."""
+    q, k, v, doc_id, tensors, block_size, scale = _prepare(q, k, v, doc_id, table, scale)
+    return _fwd(q, k, v, doc_id, tensors[0], tensors[1], block_size, scale)
+
+
+def block_sparse_backward_triton(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    doc_id: torch.Tensor,
+    table: BlockTable,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward kernels alone: (dq, dk, dv) from the forward's out and lse."""
+    q, k, v, doc_id, tensors, block_size, scale = _prepare(q, k, v, doc_id, table, scale)
+    return _bwd(do, q, k, v, out, lse, doc_id, tensors, block_size, scale)
+
+
 def block_sparse_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -564,15 +604,8 @@ def block_sparse_attention_triton(
     [B, L]; table: kv_count/kv_index and their transpose q_count/q_index, block size
     inferred from NB = ceil(L / Bs). Returns out [B, Hq, L, D] in q's dtype.
     """
-    _check_inputs(q, k, v, doc_id)
-    kv_count, kv_index, q_count, q_index = _prepare_table(table, q.shape[0], k.shape[1])
-    block_size = table_block_size(table, q.shape[2])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    doc_id = doc_id.to(torch.int32).contiguous()
-    return BlockSparseAttnFn.apply(
-        q, k, v, doc_id, kv_count, kv_index, q_count, q_index, block_size, scale
-    )
+    q, k, v, doc_id, tensors, block_size, scale = _prepare(q, k, v, doc_id, table, scale)
+    return BlockSparseAttnFn.apply(q, k, v, doc_id, *tensors, block_size, scale)
 
 
 # --------------------------------------------------------------------------- reference

@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
-from sb_titan.attention.block_sparse import block_sparse_attention, block_sparse_forward
+from sb_titan.attention.block_sparse import block_sparse_forward
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.estimator import estimate_block_mass
+from sb_titan.attention.ops import block_sparse_attention
 from sb_titan.attention.selection import BlockTable, select_blocks, transpose_table
 from sb_titan.attention.sparse import sparse_attention
 

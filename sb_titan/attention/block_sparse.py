@@ -460,34 +460,3 @@ def _backward_dkdv(
         dv.index_copy_(0, rows, dv_r)
         dk.index_copy_(0, rows, dk_r)
     return dk, dv
-
-
-class BlockSparseAttention(torch.autograd.Function):
-    """Thin autograd wrapper: saves out and lse, recomputes the rest in backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, doc_id, table: BlockTable, scale: float):
-        out, lse = block_sparse_forward(q, k, v, doc_id, table, scale)
-        ctx.save_for_backward(q, k, v, out, lse, doc_id, *table[:4])
-        ctx.block_size, ctx.scale = table.block_size, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, doc_id, *tensors = ctx.saved_tensors
-        table = BlockTable(*tensors, ctx.block_size)
-        dq, dk, dv = block_sparse_backward(grad_out, q, k, v, out, lse, doc_id, table, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def block_sparse_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    doc_id: torch.Tensor,
-    table: BlockTable,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; attends only the block pairs in `table`."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return BlockSparseAttention.apply(q, k, v, doc_id, table, scale)

@@ -2,7 +2,8 @@
 
 One entry point for the model: the pattern is chosen per call (so per micro-batch
 budget changes cost nothing), selection is not differentiated, and the attention runs
-on the Triton kernels for CUDA tensors or on the PyTorch path otherwise.
+on the Triton kernels for CUDA tensors or on the PyTorch path otherwise. Both steps are
+custom ops (attention/ops.py), so a compiled block traces them as two graph nodes.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import os
 
 import torch
 
-from sb_titan.attention.block_sparse import block_sparse_attention
-from sb_titan.attention.selection import AttnStats, select_blocks
+from sb_titan.attention.ops import block_sparse_attention, select
+from sb_titan.attention.selection import AttnStats
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -48,20 +49,7 @@ def sparse_attention(
 
     Returns (out [B, Hq, L, D], AttnStats with per-row density and recall).
     """
-    triton = resolve_backend(backend, q.device.type) == "triton"
+    backend = resolve_backend(backend, q.device.type)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    with torch.no_grad():
-        table, stats = select_blocks(
-            q.detach(),
-            k.detach(),
-            doc_id,
-            budget,
-            policy=policy,
-            block_size=block_size,
-            scale=scale,
-        )
-    if triton:
-        from sb_titan_kernels import block_sparse_attention_triton
-
-        return block_sparse_attention_triton(q, k, v, doc_id, table, scale), stats
-    return block_sparse_attention(q, k, v, doc_id, table, scale), stats
+    table, stats = select(q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale)
+    return block_sparse_attention(q, k, v, doc_id, table, scale, backend), stats

@@ -43,6 +43,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
     except ValueError as e:
         raise ConfigError(f"{path or '<defaults>'}: {e}") from None
     check_run_length(config, path)
+    check_compile(config, path)
     return config
 
 
@@ -55,6 +56,17 @@ def check_run_length(config, path: str | Path | None) -> None:
         raise ConfigError(
             f"{path or '<defaults>'}: 'training.steps' = {config.training.steps}, expected "
             ">= 1 (steps to train)"
+        )
+
+
+def check_compile(config, path: str | Path | None) -> None:
+    """The attention recorder (a debug log) is Python inside the transformer block,
+    which `--compile.enable` compiles with fullgraph=True: refuse the pair up front."""
+    compiled = config.compile.enable and "model" in config.compile.components
+    if compiled and config.sparse_attention.record:
+        raise ConfigError(
+            f"{path or '<defaults>'}: 'sparse_attention.record' logs from inside the "
+            "compiled transformer block; set compile.enable = false to record"
         )
 
 

@@ -7,6 +7,8 @@ timed around the block's own forward; backward between two autograd markers, one
 the block's output (its backward runs first) and one on its input (runs last).
 Activation recomputation runs the block's forward again and is counted: it is real work.
 On CUDA the clock records events and resolves them once per step (no per-block sync).
+The hooks are excluded from compilation: a block compiled by `--compile.enable` runs
+its hooks eagerly around the compiled graph, so the clock never enters it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class _BlockTimer:
     def __init__(self, clock: BlockClock, context: RunContext, block_id: int) -> None:
         self.clock, self.context, self.block_id = clock, context, block_id
 
+    @torch.compiler.disable
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         if not self.context.measuring:  # e.g. the pipeline's shape inference
             return None
@@ -118,6 +121,7 @@ class _BlockTimer:
         self.clock.start(key)
         return args, kwargs
 
+    @torch.compiler.disable
     def after(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor):
         if not self.context.measuring:
             return None

@@ -98,7 +98,11 @@ class SBAttention(Module):
                 backend=self.config.backend,
             )
             # Activation recomputation repeats the forward inside backward: count once.
-            if meta.stats is not None and not in_backward_recompute():
+            # Compiled, the recompute lives in the backward graph, which never replays
+            # the forward's input mutations.
+            if meta.stats is not None and (
+                torch.compiler.is_compiling() or not in_backward_recompute()
+            ):
                 meta.stats.add_(stats.totals())
         else:
             out = dense_document_attention(q, k, v, meta.doc_id, scale)

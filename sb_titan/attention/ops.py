@@ -1,0 +1,194 @@
+"""Selection and block-sparse attention as torch.library custom ops.
+
+TorchTitan compiles every transformer block with `fullgraph=True`, so whatever the
+attention does must be traceable. Selection and the PyTorch path are data-dependent
+Python (`.tolist()`, tables whose width is known only after selection), and the Triton
+kernels are opaque launches; as custom ops with registered fakes and autograd, both
+enter the graph as single nodes, eager and compiled runs execute the same code, and
+nothing is padded to the row's block count: the table widths leave the selection op as
+unbacked sizes (`MAXK`, `MAXQ`), so the tables stay linear in the kept pairs.
+
+Ops (namespace `sb_titan`):
+  select_blocks(q, k, doc_id, budget, ...) -> 4 table tensors + density, recall, tokens
+  block_sparse_attention(q, k, v, doc_id, table..., backend) -> out, lse
+  block_sparse_attention_backward(grad_out, ..., out, lse, ...) -> dq, dk, dv
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
+from sb_titan.attention.estimator import num_blocks
+from sb_titan.attention.selection import AttnStats, BlockTable, select_blocks
+
+OP_BACKENDS = ("torch", "triton")
+
+
+# ------------------------------------------------------------------------------ selection
+@torch.library.custom_op("sb_titan::select_blocks", mutates_args=())
+def _select_blocks_op(
+    q: Tensor,
+    k: Tensor,
+    doc_id: Tensor,
+    budget: Tensor,
+    policy: str,
+    block_size: int,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    table, stats = select_blocks(
+        q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale
+    )
+    return (*table[:4], *stats)
+
+
+@_select_blocks_op.register_fake
+def _(q, k, doc_id, budget, policy, block_size, scale):
+    B, Hkv, L, _ = k.shape
+    nb = num_blocks(L, block_size)
+    ctx = torch.library.get_ctx()
+    maxk, maxq = ctx.new_dynamic_size(min=1, max=nb), ctx.new_dynamic_size(min=1, max=nb)
+    count = k.new_empty(B, Hkv, nb, dtype=torch.int32)
+    row = q.new_empty(B, dtype=torch.float32)
+    return (
+        count,
+        k.new_empty(B, Hkv, nb, maxk, dtype=torch.int32),
+        torch.empty_like(count),
+        k.new_empty(B, Hkv, nb, maxq, dtype=torch.int32),
+        row,
+        torch.empty_like(row),
+        torch.empty_like(row),
+    )
+
+
+def select(
+    q: Tensor,
+    k: Tensor,
+    doc_id: Tensor,
+    budget: Tensor,
+    *,
+    policy: str,
+    block_size: int,
+    scale: float,
+) -> tuple[BlockTable, AttnStats]:
+    """`selection.select_blocks` as one graph node (not differentiated)."""
+    budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
+    if budget.dim() == 0:
+        budget = budget.expand(q.shape[0])
+    out = _select_blocks_op(q.detach(), k.detach(), doc_id, budget, policy, block_size, scale)
+    return BlockTable(*out[:4], block_size), AttnStats(*out[4:])
+
+
+# ------------------------------------------------------------------------------ attention
+def _kernels():
+    import sb_titan_kernels
+
+    return sb_titan_kernels
+
+
+@torch.library.custom_op("sb_titan::block_sparse_attention", mutates_args=())
+def _attention_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_id: Tensor,
+    kv_count: Tensor,
+    kv_index: Tensor,
+    q_count: Tensor,
+    q_index: Tensor,
+    block_size: int,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    table = BlockTable(kv_count, kv_index, q_count, q_index, block_size)
+    if backend == "triton":
+        return _kernels().block_sparse_forward_triton(q, k, v, doc_id, table, scale)
+    out, lse = block_sparse_forward(q, k, v, doc_id, table, scale)
+    return out, lse.contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k, v, doc_id, kv_count, kv_index, q_count, q_index, block_size, scale, backend):
+    B, Hq, L, _ = q.shape
+    if backend == "triton":
+        return _like_triton_output(q), q.new_empty(B, Hq, L, dtype=torch.float32)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty(B, Hq, L, dtype=lse_dtype)
+
+
+@torch.library.custom_op("sb_titan::block_sparse_attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    doc_id: Tensor,
+    kv_count: Tensor,
+    kv_index: Tensor,
+    q_count: Tensor,
+    q_index: Tensor,
+    block_size: int,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    table = BlockTable(kv_count, kv_index, q_count, q_index, block_size)
+    if backend == "triton":
+        return _kernels().block_sparse_backward_triton(
+            grad_out, q, k, v, out, lse, doc_id, table, scale
+        )
+    dq, dk, dv = block_sparse_backward(grad_out, q, k, v, out, lse, doc_id, table, scale)
+    return dq, dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, doc_id, kv_count, kv_index, q_count, q_index, *args):
+    backend = args[-1]
+    if backend == "triton":
+        return _like_triton_output(q), _like_triton_output(k), _like_triton_output(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _like_triton_output(t: Tensor) -> Tensor:
+    """The kernels allocate outputs like their (last-dim contiguous) inputs."""
+    return torch.empty_like(t if t.stride(-1) == 1 else t.contiguous())
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, doc_id, *table, block_size, scale, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], doc_id, *table)
+    ctx.block_size, ctx.scale, ctx.backend = block_size, scale, backend
+
+
+def _backward(ctx, grad_out: Tensor, _grad_lse: Tensor):
+    q, k, v, out, lse, doc_id, *table = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(
+        grad_out, q, k, v, out, lse, doc_id, *table, ctx.block_size, ctx.scale, ctx.backend
+    )
+    return dq, dk, dv, *([None] * 8)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_id: Tensor,
+    table: BlockTable,
+    scale: float | None = None,
+    backend: str = "torch",
+) -> Tensor:
+    """Differentiable block-sparse attention over `table`, one graph node per direction.
+
+    q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]. `backend`: `torch` (the
+    PyTorch path, any device) or `triton` (the kernels: CUDA, or TRITON_INTERPRET=1).
+    """
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"backend must be one of {OP_BACKENDS}, got {backend!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    out, _ = _attention_op(q, k, v, doc_id, *table[:4], table.block_size, scale, backend)
+    return out
