@@ -10,11 +10,20 @@ may see form one range [sink(i), i]: sink(i) is the block holding the first toke
 the document that block i starts in. Everything below works with that range instead of
 an [NB, NB] mask, and scores are built for a range of query blocks at a time so that
 selection's peak memory is O(chunk * NB), never O(NB^2) (let alone O(L^2)).
+
+Two implementations of the same estimator: this file's PyTorch one, and the Triton
+kernels in sb_titan_kernels.estimator (pooling + probabilities for a range of query
+blocks). `block_mass_chunks` runs either, chunk by chunk, for selection.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import torch
+
+ESTIMATORS = ("torch", "triton")
 
 
 def num_blocks(seq_len: int, block_size: int) -> int:
@@ -119,3 +128,57 @@ def estimate_block_mass(
     qp = pool_query_blocks(q, Hkv, block_size)
     kp = pool_blocks(k, block_size)
     return block_mass_from_pooled(qp, kp, sink_blocks(doc_id, block_size), start, end, scale)
+
+
+def check_estimator(estimator: str, device_type: str) -> None:
+    """Raise if `estimator` is unknown, or is Triton on a non-CUDA device without the
+    interpreter (TRITON_INTERPRET=1)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if estimator == "triton" and device_type != "cuda" and not interpreted:
+        raise ValueError(
+            f"estimator='triton' needs CUDA tensors (got {device_type}); set "
+            "TRITON_INTERPRET=1 to run the kernels in the interpreter, or use estimator='torch'"
+        )
+
+
+def block_mass_chunks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc_id: torch.Tensor,
+    sink: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    chunk_blocks: int,
+    estimator: str = "torch",
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(start, prob, allowed) per chunk of query blocks [start, start + chunk_blocks).
+
+    Pools q/k once, then yields [B, Hkv, n, NB] masses one chunk at a time (peak memory
+    O(chunk * NB)). `estimator` picks PyTorch or the Triton kernels; both compute the
+    same fp32 softmax over sink(i) <= j <= i and differ only in rounding.
+    `sink` is sink_blocks(doc_id, block_size), which the caller needs anyway.
+    """
+    check_estimator(estimator, q.device.type)
+    Hkv, L = k.shape[1], k.shape[2]
+    nb = num_blocks(L, block_size)
+    if estimator == "triton":
+        from sb_titan_kernels import block_probs_triton, pool_blocks_triton
+
+        qp, kp = pool_blocks_triton(q, k, block_size)
+        doc32 = doc_id.to(torch.int32).contiguous()
+
+        def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            prob = block_probs_triton(qp, kp, doc32, block_size, start, end, scale, dtype=q.dtype)
+            return prob, allowed_blocks(sink, start, end, nb).expand_as(prob)
+
+    else:
+        qp, kp = pool_query_blocks(q, Hkv, block_size), pool_blocks(k, block_size)
+
+        def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return block_mass_from_pooled(qp, kp, sink, start, end, scale)
+
+    for start in range(0, nb, chunk_blocks):
+        yield (start, *chunk(start, min(start + chunk_blocks, nb)))

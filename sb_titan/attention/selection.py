@@ -21,10 +21,9 @@ from typing import NamedTuple
 import torch
 
 from sb_titan.attention.estimator import (
-    block_mass_from_pooled,
+    block_mass_chunks,
+    check_estimator,
     num_blocks,
-    pool_blocks,
-    pool_query_blocks,
     sink_blocks,
 )
 
@@ -186,25 +185,29 @@ def select_blocks(
     block_size: int,
     scale: float | None = None,
     chunk_blocks: int = 256,
+    estimator: str = "torch",
 ) -> tuple[BlockTable, AttnStats]:
     """Estimate block mass and keep blocks per (row, kv head, query block) under budget.
 
     q: [B, Hq, L, D]; k: [B, Hkv, L, D]; doc_id: [B, L] non-decreasing per row;
     budget: [B] (or a scalar) in (0, 1]. Not differentiated (runs under no_grad).
+    estimator: "torch" (PyTorch) or "triton" (the kernels: CUDA, or TRITON_INTERPRET=1);
+    same masses up to fp32 rounding, so tables differ only at near-ties (docs/kernels.md).
     """
     budget = _validate(q, k, doc_id, budget, policy, block_size)
     if chunk_blocks < 1:
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    check_estimator(estimator, q.device.type)
     B, Hkv, L, D = k.shape
     nb = num_blocks(L, block_size)
     scale = D**-0.5 if scale is None else scale
-    qp = pool_query_blocks(q, Hkv, block_size)
-    kp = pool_blocks(k, block_size)
     sink = sink_blocks(doc_id, block_size)
     counts, ids, masses = [], [], []
-    for start in range(0, nb, chunk_blocks):
-        end = min(start + chunk_blocks, nb)
-        prob, allowed = block_mass_from_pooled(qp, kp, sink, start, end, scale)
+    chunks = block_mass_chunks(
+        q, k, doc_id, sink, block_size=block_size, scale=scale,
+        chunk_blocks=chunk_blocks, estimator=estimator,
+    )  # fmt: skip
+    for start, prob, allowed in chunks:
         c, idx, m = _select_chunk(prob, allowed, sink, start, budget, policy)
         counts.append(c)
         ids.append(idx)
