@@ -36,15 +36,23 @@ def _select_blocks_op(
     policy: str,
     block_size: int,
     scale: float,
+    estimator: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     table, stats = select_blocks(
-        q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale
+        q,
+        k,
+        doc_id,
+        budget,
+        policy=policy,
+        block_size=block_size,
+        scale=scale,
+        estimator=estimator,
     )
     return (*table[:4], *stats)
 
 
 @_select_blocks_op.register_fake
-def _(q, k, doc_id, budget, policy, block_size, scale):
+def _(q, k, doc_id, budget, policy, block_size, scale, estimator):
     B, Hkv, L, _ = k.shape
     nb = num_blocks(L, block_size)
     ctx = torch.library.get_ctx()
@@ -71,12 +79,14 @@ def select(
     policy: str,
     block_size: int,
     scale: float,
+    estimator: str = "torch",
 ) -> tuple[BlockTable, AttnStats]:
     """`selection.select_blocks` as one graph node (not differentiated)."""
     budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
     if budget.dim() == 0:
         budget = budget.expand(q.shape[0])
-    out = _select_blocks_op(q.detach(), k.detach(), doc_id, budget, policy, block_size, scale)
+    q, k = q.detach(), k.detach()
+    out = _select_blocks_op(q, k, doc_id, budget, policy, block_size, scale, estimator)
     return BlockTable(*out[:4], block_size), AttnStats(*out[4:])
 
 

@@ -51,5 +51,8 @@ def sparse_attention(
     """
     backend = resolve_backend(backend, q.device.type)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    table, stats = select(q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale)
+    estimator = "triton" if backend == "triton" else "torch"  # one selection per device
+    table, stats = select(
+        q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale, estimator=estimator
+    )
     return block_sparse_attention(q, k, v, doc_id, table, scale, backend), stats
