@@ -70,7 +70,9 @@ class _BackwardMark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, clock: BlockClock, key: tuple[int, int], start: bool):
         ctx.clock, ctx.key, ctx.start = clock, key, start
-        return x.view_as(x)
+        # An alias, not a view: FSDP warns about blocks that return views (an in-place
+        # op on one would skip its pre-backward hook).
+        return x.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

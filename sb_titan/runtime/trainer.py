@@ -228,8 +228,12 @@ class SBTrainer(Trainer):
                 )
                 for key in m.seconds
             }
+            # Step 1 carries one-off work in its block times (torch.compile, Triton JIT,
+            # allocator growth): never fit to it. A resumed process's first step is
+            # fitted like any other (the refit is damped), so resume stays exact.
+            warm = self.step > 1
             observations = m.observations(plan)
-            if self.config.cost_model.refit and observations:
+            if self.config.cost_model.refit and observations and warm:
                 self.cost_model.refit(observations)
             self.cost_model.density_model.update(m.density_observations(plan))
             self.cost_model.recall_model.update(
