@@ -15,7 +15,8 @@
 (c) a one-GPU training step: needs torchtitan and torchdata; says what is missing and
     skips otherwise. It runs `sb_titan.tools.train` with Qwen2.5-0.5B at 32K rows, sparse
     and dense, compile off and on, and reports step time and peak memory from
-    TensorBoard. The four-variant balance comparison needs >= 2 GPUs (bench/e2e.py).
+    TensorBoard (the dry run loads each variant's config instead). The four-variant
+    balance comparison needs >= 2 GPUs (bench/e2e.py).
 
 (a) and (b) import only torch, Triton and the recipe's attention ops and kernels, so they
 run from a source checkout without torchtitan. `--dry-run` runs the same code at tiny
@@ -174,6 +175,37 @@ def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
     return out
 
 
+TRAIN_CONFIG = REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
+# One GPU, 32K rows, the synthetic corpus, no pipeline: the step's attention and memory
+# alone (the balance comparison needs >= 2 GPUs: bench/e2e.py).
+ONE_GPU = ["--training.seq_len", "32768", "--training.local_batch_size", "1"]
+ONE_GPU += ["--parallelism.pipeline_parallel_degree", "1"]
+ONE_GPU += ["--parallelism.data_parallel_shard_degree", "-1"]
+ONE_GPU += ["--dataloader.dataset", "synthetic", "--sab.policy", "sequential"]
+ONE_GPU += ["--dst.no-enabled", "--checkpoint.no-enable", "--metrics.log_freq", "1"]
+ONE_GPU += ["--training.steps", "6", "--hf_assets_path", "sb_titan/assets/tokenizer"]
+TRAIN_VARIANTS = {
+    "sparse": [],
+    "dense": ["--sparse_attention.no-enabled"],
+    "sparse_compiled": ["--compile.enable"],
+    "dense_compiled": ["--sparse_attention.no-enabled", "--compile.enable"],
+}
+
+
+def check_train_variants() -> dict:
+    """Dry run of (c): every variant's overrides load against the shipped config and pass
+    the launcher's checks for one process (profile, dataset, vocabulary, step shape)."""
+    if importlib.util.find_spec("torchtitan") is None:
+        return {"skipped": "needs torchtitan"}
+    from sb_titan.config.preflight import preflight
+    from sb_titan.config.toml import load_config
+
+    os.environ["WORLD_SIZE"] = "1"
+    for extra in TRAIN_VARIANTS.values():
+        preflight(load_config(TRAIN_CONFIG, [*ONE_GPU, *extra]), TRAIN_CONFIG)
+    return {"checked": sorted(TRAIN_VARIANTS)}
+
+
 def train_step(device) -> dict:
     """(c): what it needs, and a short run of each variant when it is there."""
     missing = [m for m in ("torchtitan", "torchdata") if importlib.util.find_spec(m) is None]
@@ -182,17 +214,11 @@ def train_step(device) -> dict:
     if missing:
         return {"skipped": f"needs {', '.join(missing)}"}
     rows = {}
-    config = REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
-    for name, extra in {
-        "sparse": [],
-        "dense": ["--sparse_attention.no-enabled"],
-        "sparse_compiled": ["--compile.enable"],
-    }.items():
+    for name, extra in TRAIN_VARIANTS.items():
         with tempfile.TemporaryDirectory() as dump:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
             cmd += ["--nproc_per_node=1", "-m", "sb_titan.tools.train", "--config_file"]
-            cmd += [str(config), "--dump_folder", dump, "--training.seq_len", "32768"]
-            cmd += ["--training.steps", "6", "--checkpoint.no-enable", *extra]
+            cmd += [str(TRAIN_CONFIG), "--dump_folder", dump, *ONE_GPU, *extra]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 rows[name] = {"failed": (proc.stdout + proc.stderr)[-1500:]}
@@ -232,7 +258,7 @@ def run(parts: set[str], dry_run: bool) -> dict:
             for rho in DENSITIES
         ]
     if "c" in parts:
-        report["train_step"] = train_step(device)
+        report["train_step"] = check_train_variants() if dry_run else train_step(device)
     return report
 
 
