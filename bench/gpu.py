@@ -10,8 +10,9 @@
     and 0.1, as TFLOP/s per computed block pair (4·Bs²·D per pair forward, 10·Bs²·D
     backward with recomputation), beside dense causal SDPA on one document (whatever
     backend torch picks: flash where it can) and FlexAttention on the same block table,
-    in one run, CUDA events, median of repeats after warm-up. The per-kernel split of the
-    backward (preprocess, dQ, dK/dV) is not timed separately yet.
+    in one run, CUDA events, median of repeats after warm-up. The backward's kernels are
+    also timed one by one: preprocess (GB/s), dQ and dK/dV (TFLOP/s of the work each
+    executes, recomputation included).
 (c) a one-GPU training step: needs torchtitan and torchdata; says what is missing and
     skips otherwise. It runs `sb_titan.tools.train` with Qwen2.5-0.5B at 32K rows, sparse
     and dense, compile off and on, and reports step time and peak memory from
@@ -134,7 +135,37 @@ def speed(L: int, heads, block: int, density: float, repeats: int, device) -> di
         row["fwd_tflops_per_pair"] = 4 * block * block * d * pairs / row["triton_fwd_ms"] / 1e9
         bwd_ms = row["triton_fwd_bwd_ms"] - row["triton_fwd_ms"]
         row["bwd_tflops_per_pair"] = 10 * block * block * d * pairs / max(bwd_ms, 1e-9) / 1e9
+    row.update(_backward_split(q, k, v, doc_id, table, pairs, repeats, device))
     row.update(_peers(q, k, v, doc_id, table, block, repeats, device))
+    return row
+
+
+def _backward_split(q, k, v, doc_id, table, pairs: int, repeats: int, device) -> dict:
+    """The backward's three kernels timed one by one: preprocess (memory-bound, GB/s),
+    dQ (recomputes S and dP: 6·Bs²·D FLOPs per pair) and dK/dV (recomputes S, dP:
+    8·Bs²·D per pair), as TFLOP/s of what each kernel executes."""
+    from sb_titan_kernels import block_sparse_attn as kern  # the kernels' own stages
+
+    q, k, v, doc_id, tables, bs, scale = kern._prepare(q, k, v, doc_id, table, None)
+    kv_count, kv_index, q_count, q_index = tables
+    out, lse = kern._fwd(q, k, v, doc_id, kv_count, kv_index, bs, scale)
+    do = torch.randn_like(out)
+    delta = kern._bwd_preprocess(out, do, bs)
+    timed = {
+        "preprocess_ms": lambda: kern._bwd_preprocess(out, do, bs),
+        "dq_ms": lambda: kern._bwd_dq(
+            q, k, v, doc_id, kv_count, kv_index, do, lse, delta, bs, scale
+        ),
+        "dkdv_ms": lambda: kern._bwd_dkdv(
+            q, k, v, doc_id, q_count, q_index, do, lse, delta, bs, scale
+        ),
+    }
+    row = {name: _median_ms(fn, repeats, device) for name, fn in timed.items()}
+    if row["dq_ms"] is not None:
+        d, bytes_moved = q.shape[-1], 2 * out.numel() * out.element_size() + 4 * delta.numel()
+        row["preprocess_gb_per_s"] = bytes_moved / row["preprocess_ms"] / 1e6
+        row["dq_tflops_per_pair"] = 6 * bs * bs * d * pairs / row["dq_ms"] / 1e9
+        row["dkdv_tflops_per_pair"] = 8 * bs * bs * d * pairs / row["dkdv_ms"] / 1e9
     return row
 
 
@@ -292,8 +323,9 @@ def markdown(report: dict) -> str:
             )
     if "speed" in report:
         lines += ["", "| L | heads | block | density | fwd ms | fwd+bwd ms | fwd TFLOP/s | "]
-        lines[-1] += "bwd TFLOP/s | SDPA dense fwd ms | Flex fwd ms |"
-        lines += ["|---|---|---|---|---|---|---|---|---|---|"]
+        lines[-1] += "bwd TFLOP/s | dQ TFLOP/s | dK/dV TFLOP/s | preprocess GB/s | "
+        lines[-1] += "SDPA dense fwd ms | Flex fwd ms |"
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
         for r in report["speed"]:
             lines.append(
@@ -305,6 +337,9 @@ def markdown(report: dict) -> str:
                         "triton_fwd_bwd_ms",
                         "fwd_tflops_per_pair",
                         "bwd_tflops_per_pair",
+                        "dq_tflops_per_pair",
+                        "dkdv_tflops_per_pair",
+                        "preprocess_gb_per_s",
                         "sdpa_dense_fwd_ms",
                         "flex_fwd_ms",
                     )

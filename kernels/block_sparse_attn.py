@@ -454,6 +454,52 @@ def _fwd(
     return out, lse
 
 
+def _bwd_preprocess(out: torch.Tensor, do: torch.Tensor, block_size: int) -> torch.Tensor:
+    """delta = rowsum(dO * O), [B, H, L] fp32."""
+    B, H, L, D = out.shape
+    delta = torch.empty((B, H, L), device=out.device, dtype=torch.float32)
+    t = attn_tiles(out.dtype, D, block_size).preprocess
+    _bwd_preprocess_kernel[(triton.cdiv(L, t.block_m), B * H)](
+        out, do, delta, *_strides3(out), *_strides3(do), L, H,
+        HEAD_DIM=D, BLOCK_M=t.block_m, **launch_opts(t),
+    )  # fmt: skip
+    return delta
+
+
+def _bwd_dq(q, k, v, doc_id, kv_count, kv_index, do, lse, delta, block_size, scale):
+    """dQ over the kv table (query block -> its kept key blocks)."""
+    B, H, L, D = q.shape
+    t = attn_tiles(q.dtype, D, block_size).dq
+    dq = torch.empty_like(q)
+    _bwd_dq_kernel[(triton.cdiv(L, t.block_m), B * H)](
+        q, k, v, doc_id, kv_count, kv_index, do, lse, delta, dq,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
+        doc_id.stride(0),
+        L, kv_count.shape[-1], kv_index.shape[-1], H, H // k.shape[1], scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        DOT_F32=dot_in_fp32(q.dtype), **launch_opts(t),
+    )  # fmt: skip
+    return dq
+
+
+def _bwd_dkdv(q, k, v, doc_id, q_count, q_index, do, lse, delta, block_size, scale):
+    """dK, dV over the transposed table (key block -> the query blocks that kept it)."""
+    B, H, L, D = q.shape
+    Hkv = k.shape[1]
+    t = attn_tiles(q.dtype, D, block_size).dkdv
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    _bwd_dkdv_kernel[(triton.cdiv(L, t.block_n), B * Hkv)](
+        q, k, v, doc_id, q_count, q_index, do, lse, delta, dk, dv,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk),
+        *_strides3(dv), doc_id.stride(0),
+        L, q_count.shape[-1], q_index.shape[-1], Hkv, H // Hkv, scale * LOG2E, scale,
+        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        DOT_F32=dot_in_fp32(q.dtype), **launch_opts(t),
+    )  # fmt: skip
+    return dk, dv
+
+
 def _bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -467,38 +513,10 @@ def _bwd(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     kv_count, kv_index, q_count, q_index = table
-    B, H, L, D = q.shape
-    Hkv = k.shape[1]
-    tiles = attn_tiles(q.dtype, D, block_size)
-    f32 = dot_in_fp32(q.dtype)
     do = _last_dim_contiguous(do)
-    delta = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
-    t = tiles.preprocess
-    _bwd_preprocess_kernel[(triton.cdiv(L, t.block_m), B * H)](
-        out, do, delta, *_strides3(out), *_strides3(do), L, H,
-        HEAD_DIM=D, BLOCK_M=t.block_m, **launch_opts(t),
-    )  # fmt: skip
-    dq = torch.empty_like(q)
-    t = tiles.dq
-    _bwd_dq_kernel[(triton.cdiv(L, t.block_m), B * H)](
-        q, k, v, doc_id, kv_count, kv_index, do, lse, delta, dq,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dq),
-        doc_id.stride(0),
-        L, kv_count.shape[-1], kv_index.shape[-1], H, H // Hkv, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        DOT_F32=f32, **launch_opts(t),
-    )  # fmt: skip
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    t = tiles.dkdv
-    _bwd_dkdv_kernel[(triton.cdiv(L, t.block_n), B * Hkv)](
-        q, k, v, doc_id, q_count, q_index, do, lse, delta, dk, dv,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(do), *_strides3(dk),
-        *_strides3(dv), doc_id.stride(0),
-        L, q_count.shape[-1], q_index.shape[-1], Hkv, H // Hkv, scale * LOG2E, scale,
-        HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        DOT_F32=f32, **launch_opts(t),
-    )  # fmt: skip
+    delta = _bwd_preprocess(out, do, block_size)
+    dq = _bwd_dq(q, k, v, doc_id, kv_count, kv_index, do, lse, delta, block_size, scale)
+    dk, dv = _bwd_dkdv(q, k, v, doc_id, q_count, q_index, do, lse, delta, block_size, scale)
     return dq, dk, dv
 
 

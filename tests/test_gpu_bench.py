@@ -28,6 +28,7 @@ def test_gpu_bench_dry_run(tmp_path):
     densities = {r["density"] for r in report["speed"]}
     assert densities == {1.0, 0.5, 0.25, 0.1}
     assert all(r["block_pairs"] > 0 and r["triton_fwd_ms"] is None for r in report["speed"])
+    assert all("dq_ms" in r and "dkdv_ms" in r for r in report["speed"])  # per-kernel split ran
     # (c) cannot run without a GPU; its four variants load and pass the launch checks
     assert report["train_step"] == {
         "checked": ["dense", "dense_compiled", "sparse", "sparse_compiled"]
