@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import losses, sample_log, torchrun
+from conftest import DEBUG_TOML, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -57,24 +57,43 @@ def test_fsdp_two_processes_loss_decreases(seed_ckpt, tmp_path):
     assert len(loss) == 5 and loss[-1] < loss[0] - 0.1, loss
 
 
-def test_pp_1f1b_matches_single_process_first_step(seed_ckpt, single, tmp_path):
+PP_1F1B = [
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--parallelism.pipeline_parallel_schedule",
+    "1F1B",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "1",
+]
+
+
+@pytest.fixture(scope="module")
+def pp_plain(seed_ckpt, tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("pp_plain")
+    torchrun(2, [*_from_seed(seed_ckpt, 5), *PP_1F1B], dump)
+    return dump
+
+
+def test_pp_1f1b_matches_single_process_first_step(pp_plain, single):
     # Same rows as the single-process run (2 rows = 2 micro-batches of 1 row), same weights.
-    torchrun(
-        2,
-        [
-            *_from_seed(seed_ckpt, 5),
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_schedule",
-            "1F1B",
-            "--parallelism.pipeline_parallel_microbatch_size",
-            "1",
-        ],
-        tmp_path,
-    )
-    loss = losses(tmp_path)
+    loss = losses(pp_plain)
     assert len(loss) == 5 and loss[-1] < loss[0] - 0.1, loss
     assert abs(loss[0] - single[0]) < 1e-4, (loss[0], single[0])
+
+
+def test_pp_1f1b_chunked_loss_matches_plain_loss(seed_ckpt, pp_plain, tmp_path):
+    """ChunkedLossWrapper under 1F1B: the last stage returns hidden states, the schedule
+    calls the wrapper (head + loss per chunk, head backward inside it) and runs backward
+    through the stage. Losses and gradient norms of 5 steps equal the plain loss's, so
+    the gradients that moved the weights were the same."""
+    config = tmp_path / "chunked.toml"
+    config.write_text(DEBUG_TOML.read_text() + "\n[loss]\nnum_chunks = 4\n")
+    torchrun(2, [*_from_seed(seed_ckpt, 5), *PP_1F1B], tmp_path, config=config)
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        plain, chunked = scalars(pp_plain, tag), scalars(tmp_path, tag)
+        assert sorted(plain) == sorted(chunked) == [1, 2, 3, 4, 5]
+        for step in plain:
+            assert abs(chunked[step] - plain[step]) <= 1e-5 * abs(plain[step]), (tag, step)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,9 @@
 
 Tables mirror the config tree (`[training]`, `[parallelism]`, `[checkpoint]`, ...)
 plus the recipe's sections (`[model]`, `[sparse_attention]`, `[sab]`, `[dst]`).
+Two tables choose a component rather than fill one: `[activation_checkpoint] mode` and
+`[loss] num_chunks` (1: TorchTitan's CrossEntropyLoss; N > 1: its ChunkedLossWrapper,
+lm_head + cross-entropy over 1/N of the row at a time, as TorchTitan's own configs do).
 Every key is checked against the dataclass it lands in: an unknown key or a value of
 the wrong type is a ConfigError naming the file and the dotted key path. CLI
 overrides use TorchTitan's names (`--training.steps 4`) and are applied by tyro on
@@ -44,6 +47,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
         raise ConfigError(f"{path or '<defaults>'}: {e}") from None
     check_run_length(config, path)
     check_compile(config, path)
+    check_loss_chunks(config, path)
     return config
 
 
@@ -70,6 +74,21 @@ def check_compile(config, path: str | Path | None) -> None:
         )
 
 
+def check_loss_chunks(config, path: str | Path | None) -> None:
+    """ChunkedLossWrapper splits each row into equal chunks; say so before ranks spawn."""
+    from torchtitan.components.loss import ChunkedLossWrapper
+
+    loss = config.loss
+    if not isinstance(loss, ChunkedLossWrapper.Config):
+        return
+    seq_len = config.training.seq_len
+    if loss.num_chunks < 2 or seq_len % loss.num_chunks:
+        raise ConfigError(
+            f"{path or '<defaults>'}: 'loss.num_chunks' = {loss.num_chunks}, expected an "
+            f"integer >= 2 that divides training.seq_len = {seq_len}"
+        )
+
+
 def read_toml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -91,6 +110,9 @@ def apply_table(obj: Any, table: dict[str, Any], file: str, prefix: str) -> None
             raise ConfigError(f"{file}: unknown key '{where}' (allowed here: {allowed})")
         if key == "activation_checkpoint":
             setattr(obj, key, _activation_checkpoint(value, file, where))
+            continue
+        if key == "loss" and not prefix:
+            setattr(obj, key, _loss(value, file, where))
             continue
         current = getattr(obj, key)
         item_cls = _dataclass_list_item(hints.get(key))
@@ -214,6 +236,20 @@ def _activation_checkpoint(value: Any, file: str, where: str):
     if mode not in AC_MODES:
         raise ConfigError(f"{file}: '{where}.mode' = {mode!r}, expected one of {AC_MODES}")
     return {"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[mode]
+
+
+def _loss(value: Any, file: str, where: str):
+    """`[loss] num_chunks = N`: the training loss TorchTitan builds (module docstring)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    if not isinstance(value, dict) or set(value) - {"num_chunks"}:
+        raise ConfigError(f"{file}: '{where}' must be a table with only 'num_chunks'")
+    n = value.get("num_chunks", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"{file}: '{where}.num_chunks' = {n!r}, expected an integer >= 1")
+    if n == 1:
+        return CrossEntropyLoss.Config()
+    return ChunkedLossWrapper.Config(num_chunks=n, loss_fn=CrossEntropyLoss.Config())
 
 
 def _apply_cli(config, cli_args: list[str], path):
