@@ -15,12 +15,11 @@
 3. Print the peak of the worst stage against 80 GB (H100) and 141 GB (H200) and write
    bench/results/memory.json.
 
-The attention ops cannot run on fake tensors yet (Python-side selection with `.tolist()`
-and data-dependent table shapes; the dense path builds an L x L mask on purpose until
-its linear-memory replacement lands). The trace swaps them for FAKES with the memory of
-the CUDA ops (`fake_attention`); the block tables are sized analytically.
-TODO: when selection + block-sparse attention (and the dense path) become
-torch.library custom ops with registered fakes (`sb_titan::...`), trace those instead.
+The attention's custom ops (sb_titan/attention/ops.py) have registered fakes, but the
+selection op's fake gives the block tables unbacked widths (known only after selection),
+which have no byte count. So the trace swaps the attention entry points for fakes with
+the memory of the CUDA ops (`fake_attention`): the real estimator pooling and per-chunk
+block mass on fake tensors, and block tables sized analytically at the budget.
 """
 
 from __future__ import annotations
@@ -219,9 +218,8 @@ class AttentionCalls:
 def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCalls]:
     """Swap the model's attention entry points (models/qwen2_5/attention.py imports
     `sparse_attention` and `dense_document_attention`) for memory-faithful fakes;
-    `fake_dense=False` keeps the real dense path (it traces: static shapes).
-    TODO: use the registered custom-op fakes (`sb_titan::...`) once they land, and the
-    real dense path once it no longer builds an L x L mask."""
+    `fake_dense=False` keeps the real dense path (the negative control: today's path
+    must show up as a token x token tensor)."""
     calls = AttentionCalls()
 
     def sparse(q, k, v, doc_id, budget, *, policy, block_size, scale=None, backend="auto"):

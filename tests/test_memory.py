@@ -3,10 +3,10 @@
 For each shipped cluster config: forward + backward of a slice (embedding, dense layer
 0, one sparse layer, final norm + head + the config's loss) at its seq_len L and at L/2,
 with RoPE tables of 2L positions. No tensor may have two dims >= L/4 (a token x token
-tensor, or full-row logits), and the activation peak must scale as L. The attention ops
-are memory-faithful fakes until they are custom ops with registered fakes (TODO in
-bench/memory.py); the negative controls show the check catches today's dense path and
-an unchunked loss. Block tables are measured on real selections.
+tensor, or full-row logits), and the activation peak must scale as L. The attention
+entry points are memory-faithful fakes (bench/memory.py says why); the negative controls
+show the check catches an L x L dense mask and an unchunked loss. Block tables are
+measured on real selections.
 """
 
 from __future__ import annotations
