@@ -8,11 +8,12 @@
     real `topk` selection, GQA 7:1, L in {8K, 32K, 128K}, block sizes 64 and 128.
 (b) speed: forward and forward+backward of the Triton kernels at densities 1, 0.5, 0.25
     and 0.1, as TFLOP/s per computed block pair (4·Bs²·D per pair forward, 10·Bs²·D
-    backward with recomputation), beside dense causal SDPA on one document (whatever
-    backend torch picks: flash where it can) and FlexAttention on the same block table,
-    in one run, CUDA events, median of repeats after warm-up. The backward's kernels are
-    also timed one by one: preprocess (GB/s), dQ and dK/dV (TFLOP/s of the work each
-    executes, recomputation included).
+    backward with recomputation), beside dense document-masked attention (the recipe's
+    dense path, `dense_kernel` names it: varlen flash where torch has it, no L x L mask)
+    and FlexAttention on the same block table, in one run, CUDA events, median of
+    repeats after warm-up. The backward's kernels are also timed one by one:
+    preprocess (GB/s), dQ and dK/dV (TFLOP/s of the work each executes, recomputation
+    included).
 (c) a one-GPU training step: needs torchtitan and torchdata; says what is missing and
     skips otherwise. It runs `sb_titan.tools.train` with Qwen2.5-0.5B at 32K rows, sparse
     and dense, compile off and on, and reports step time and peak memory from
@@ -170,19 +171,33 @@ def _backward_split(q, k, v, doc_id, table, pairs: int, repeats: int, device) ->
 
 
 def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
-    """Dense causal SDPA over one document and FlexAttention on the same block table."""
+    """Dense document-masked attention (the recipe's dense path: varlen flash where torch
+    offers it, no L x L mask) and FlexAttention on the same block table."""
     out: dict = {}
     if device.type != "cuda":
         return {"peers": "timed on CUDA only"}
-    import torch.nn.functional as F
-
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    out["sdpa_dense_fwd_ms"] = _median_ms(
-        lambda: F.scaled_dot_product_attention(q, kk, vv, is_causal=True), repeats, device
+    from sb_titan.attention.dense import (
+        choose_dense_kernel,
+        dense_document_attention,
+        device_support,
+        flex_block_mask,
     )
+
+    out["dense_kernel"] = choose_dense_kernel("cuda", q.dtype, q.shape[-1], device_support(device))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+
+    def dense_fwd():
+        with torch.no_grad():
+            dense_document_attention(q, k, v, doc_id)
+
+    def dense_fwd_bwd():
+        o = dense_document_attention(qg, kg, vg, doc_id)
+        o.backward(torch.ones_like(o))
+
+    out["dense_fwd_ms"] = _median_ms(dense_fwd, repeats, device)
+    out["dense_fwd_bwd_ms"] = _median_ms(dense_fwd_bwd, repeats, device)
     try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
         ids = doc_id[0]
 
@@ -191,11 +206,13 @@ def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
 
         # Flex takes one pattern per query head (or one for all): repeat each KV head's
         # pattern over its G query heads.
-        mask = BlockMask.from_kv_blocks(
+        g = q.shape[1] // k.shape[1]
+        mask = flex_block_mask(
             table.kv_count.repeat_interleave(g, 1),
             table.kv_index.repeat_interleave(g, 1),
-            BLOCK_SIZE=block,
-            mask_mod=mask_mod,
+            q.shape[2],
+            block,
+            mask_mod,
         )
         flex = torch.compile(flex_attention)
         out["flex_fwd_ms"] = _median_ms(
@@ -324,8 +341,8 @@ def markdown(report: dict) -> str:
     if "speed" in report:
         lines += ["", "| L | heads | block | density | fwd ms | fwd+bwd ms | fwd TFLOP/s | "]
         lines[-1] += "bwd TFLOP/s | dQ TFLOP/s | dK/dV TFLOP/s | preprocess GB/s | "
-        lines[-1] += "SDPA dense fwd ms | Flex fwd ms |"
-        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines[-1] += "dense doc fwd ms | dense doc fwd+bwd ms | Flex fwd ms |"
+        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
         for r in report["speed"]:
             lines.append(
@@ -340,7 +357,8 @@ def markdown(report: dict) -> str:
                         "dq_tflops_per_pair",
                         "dkdv_tflops_per_pair",
                         "preprocess_gb_per_s",
-                        "sdpa_dense_fwd_ms",
+                        "dense_fwd_ms",
+                        "dense_fwd_bwd_ms",
                         "flex_fwd_ms",
                     )
                 )

@@ -218,8 +218,8 @@ class AttentionCalls:
 def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCalls]:
     """Swap the model's attention entry points (models/qwen2_5/attention.py imports
     `sparse_attention` and `dense_document_attention`) for memory-faithful fakes;
-    `fake_dense=False` keeps the real dense path (the negative control: today's path
-    must show up as a token x token tensor)."""
+    `fake_dense=False` keeps whatever `dense_document_attention` is (the tests' negative
+    control puts the old L x L mask path there)."""
     calls = AttentionCalls()
 
     def sparse(q, k, v, doc_id, budget, *, policy, block_size, scale=None, backend="auto"):

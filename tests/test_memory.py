@@ -16,9 +16,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import REPO
 from torchtitan.components.loss import CrossEntropyLoss
 
+from sb_titan.attention.layout import document_causal_mask
 from sb_titan.attention.selection import select_blocks
 from sb_titan.config.toml import load_config
 
@@ -63,11 +65,18 @@ def test_activation_memory_is_linear_in_length(traces):
     assert long.peak - long.static <= 2.01 * (half.peak - half.static)
 
 
-def test_shape_check_catches_the_dense_mask_and_the_unchunked_loss():
-    """Negative controls at 32K (0.5B): today's dense path (an L x L mask) and TorchTitan's
+def _masked_sdpa(q, k, v, doc_id, scale=None):
+    """The dense path before linear memory: SDPA with an explicit [B, 1, L, L] mask."""
+    mask = document_causal_mask(doc_id)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def test_shape_check_catches_the_dense_mask_and_the_unchunked_loss(monkeypatch):
+    """Negative controls at 32K (0.5B): the old dense path (an L x L mask) and TorchTitan's
     plain cross-entropy ([B, L, V] fp32 logits) both fail the check above."""
     config = _config("qwen2.5_0.5b_64k")
     n = 32768
+    monkeypatch.setattr(memory.sb_attention, "dense_document_attention", _masked_sdpa)
     trace = memory.trace_slice(config, seq_len=n, fake_dense=False)
     assert ((1, 1, n, n), "torch.bool") in trace.token_square_shapes(n // 4)
     config.loss = CrossEntropyLoss.Config()

@@ -11,10 +11,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from sb_titan.attention.block_sparse import block_sparse_forward
-from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.estimator import estimate_block_mass
+from sb_titan.attention.layout import document_causal_mask
 from sb_titan.attention.ops import block_sparse_attention
 from sb_titan.attention.selection import BlockTable, select_blocks, transpose_table
 from sb_titan.attention.sparse import sparse_attention
@@ -166,7 +167,12 @@ def test_topk_full_budget_equals_dense(dtype, tol):
     table, stats = select_blocks(q, k, doc_id, 1.0, policy="topk", block_size=64)
     assert torch.equal(stats.density, torch.ones(2))
     torch.testing.assert_close(stats.recall, torch.ones(2))
-    dense = grads(lambda q, k, v: dense_document_attention(q, k, v, doc_id), q, k, v, grad_out)
+    mask = document_causal_mask(doc_id)  # the explicit [B, 1, L, L] dense reference
+
+    def masked_sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    dense = grads(masked_sdpa, q, k, v, grad_out)
     got = grads(lambda q, k, v: block_sparse_attention(q, k, v, doc_id, table), q, k, v, grad_out)
     assert_all_close(got, dense, tol)
 

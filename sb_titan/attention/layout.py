@@ -35,7 +35,10 @@ def doc_lens_from_doc_id(doc_id: torch.Tensor) -> list[list[int]]:
 
 
 def document_causal_mask(doc_id: torch.Tensor) -> torch.Tensor:
-    """[B, 1, L, L] bool: query i may attend key j iff j <= i and same document."""
+    """[B, 1, L, L] bool: query i may attend key j iff j <= i and same document.
+
+    Reference only (tests, small L): it is token x token, 4 GiB per row at 64K. The
+    model's dense path (`attention.dense`) never builds it."""
     L = doc_id.shape[1]
     causal = torch.ones(L, L, dtype=torch.bool, device=doc_id.device).tril()
     same_doc = doc_id[:, :, None] == doc_id[:, None, :]

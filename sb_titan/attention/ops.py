@@ -10,6 +10,7 @@ unbacked sizes (`MAXK`, `MAXQ`), so the tables stay linear in the kept pairs.
 
 Ops (namespace `sb_titan`):
   select_blocks(q, k, doc_id, budget, ...) -> 4 table tensors + density, recall, tokens
+  full_block_table(doc_id, ...) -> the 4 tensors of the density-1 table (dense layers)
   block_sparse_attention(q, k, v, doc_id, table..., backend) -> out, lse
   block_sparse_attention_backward(grad_out, ..., out, lse, ...) -> dq, dk, dv
 """
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
 from sb_titan.attention.estimator import num_blocks
-from sb_titan.attention.selection import AttnStats, BlockTable, select_blocks
+from sb_titan.attention.selection import AttnStats, BlockTable, full_block_table, select_blocks
 
 OP_BACKENDS = ("torch", "triton")
 
@@ -88,6 +89,33 @@ def select(
     q, k = q.detach(), k.detach()
     out = _select_blocks_op(q, k, doc_id, budget, policy, block_size, scale, estimator)
     return BlockTable(*out[:4], block_size), AttnStats(*out[4:])
+
+
+@torch.library.custom_op("sb_titan::full_block_table", mutates_args=())
+def _full_table_op(
+    doc_id: Tensor, num_kv_heads: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(full_block_table(doc_id, num_kv_heads, block_size)[:4])
+
+
+@_full_table_op.register_fake
+def _(doc_id, num_kv_heads, block_size):
+    B, L = doc_id.shape
+    nb = num_blocks(L, block_size)
+    ctx = torch.library.get_ctx()
+    maxk, maxq = ctx.new_dynamic_size(min=1, max=nb), ctx.new_dynamic_size(min=1, max=nb)
+    count = doc_id.new_empty(B, num_kv_heads, nb, dtype=torch.int32)
+    return (
+        count,
+        doc_id.new_empty(B, num_kv_heads, nb, maxk, dtype=torch.int32),
+        torch.empty_like(count),
+        doc_id.new_empty(B, num_kv_heads, nb, maxq, dtype=torch.int32),
+    )
+
+
+def full_table(doc_id: Tensor, num_kv_heads: int, block_size: int) -> BlockTable:
+    """`selection.full_block_table` as one graph node."""
+    return BlockTable(*_full_table_op(doc_id, num_kv_heads, block_size), block_size)
 
 
 # ------------------------------------------------------------------------------ attention

@@ -98,6 +98,42 @@ def transpose_table(
     return q_count.view(B, H, nb).to(torch.int32), q_index.view(B, H, nb, maxq)
 
 
+def full_block_table(doc_id: torch.Tensor, num_kv_heads: int, block_size: int) -> BlockTable:
+    """The density-1 table: query block i keeps every allowed key block [sink(i), i].
+
+    With it the block-sparse kernels compute dense document-causal attention without a
+    token x token mask. Built from the per-block sink alone: key block j is kept by the
+    contiguous query blocks [j, last(j)], last(j) = the last i with sink(i) <= j (sink
+    is non-decreasing). Memory is the padded table itself, NB x the longest row per kv
+    head (about 2x the kept pairs for one document), with no NB x NB mask on the way.
+    """
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
+    if doc_id.dim() != 2:
+        raise ValueError(f"doc_id must be [B, L], got {tuple(doc_id.shape)}")
+    B, L = doc_id.shape
+    nb = num_blocks(L, block_size)
+    sink = sink_blocks(doc_id, block_size)  # [B, NB] int64, non-decreasing
+    blocks = torch.arange(nb, device=doc_id.device).expand(B, nb)
+    kv_count = blocks - sink + 1
+    last = torch.searchsorted(sink, blocks.contiguous(), right=True) - 1
+    q_count = last - blocks + 1
+
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.int32)[:, None].expand(B, num_kv_heads, *x.shape[1:]).contiguous()
+
+    kv_index = _ranges(sink, kv_count)
+    q_index = _ranges(blocks, q_count)
+    return BlockTable(heads(kv_count), heads(kv_index), heads(q_count), heads(q_index), block_size)
+
+
+def _ranges(first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """[B, NB, max count] int64: first, first+1, ... (count entries), then 0-padded."""
+    width = int(count.max()) if count.numel() else 0
+    slot = torch.arange(width, device=first.device)
+    return torch.where(slot < count[..., None], first[..., None] + slot, 0)
+
+
 def _validate(
     q: torch.Tensor,
     k: torch.Tensor,
