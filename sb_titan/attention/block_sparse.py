@@ -29,8 +29,10 @@ CPU details that matter for speed (measured, see docs/attention.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -48,6 +50,7 @@ class _Masks(NamedTuple):
     row: torch.Tensor  # [B*NB, Bs] 0/-inf: query token is in first_doc(block)
     mixed: torch.Tensor  # [B*NB] bool: a document starts strictly inside the block
     first_start: torch.Tensor  # [B*NB] int64: doc start of the block's first token
+    causal: torch.Tensor  # [Bs, Bs] 0/-inf: the diagonal bias of every block not mixed
 
 
 def _masks(doc_id: torch.Tensor, nb: int, bs: int, dtype: torch.dtype) -> _Masks:
@@ -61,7 +64,8 @@ def _masks(doc_id: torch.Tensor, nb: int, bs: int, dtype: torch.dtype) -> _Masks
     pos = torch.arange(B * nb, device=doc_id.device)[:, None] % nb * bs + ar  # token pos
     ok_diag = (ar[None, None, :] <= ar[None, :, None]) & (pos[:, None, :] >= lo[:, :, None])
     in_first = lo == first[:, None]
-    return _Masks(_bias(ok_diag, dtype), _bias(in_first, dtype), ~in_first.all(1), first)
+    causal = _bias(ar[None, :] <= ar[:, None], dtype)
+    return _Masks(_bias(ok_diag, dtype), _bias(in_first, dtype), ~in_first.all(1), first, causal)
 
 
 def _bias(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -106,8 +110,8 @@ def _to_q_blocks(
     if L % bs:
         out[nb - 1 :: nb].zero_()
     for src, dst in _q_views(x, out, hkv, bs):
-        dst.copy_(src)
-    return out.mul_(scale) if scale != 1.0 else out
+        torch.mul(src, scale, out=dst) if scale != 1.0 else dst.copy_(src)
+    return out
 
 
 def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: float = 1.0):
@@ -119,27 +123,69 @@ def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: 
 
 
 def _chunk_pairs(per_pair: int, device: torch.device) -> int:
-    """Block pairs per batched matmul: _CHUNK_ELEMS scores per CPU thread (so each
-    thread's share stays cache-sized while Python overhead shrinks as threads are added);
-    much larger on GPUs, where the per-chunk launch and sync overhead dominates."""
-    threads = torch.get_num_threads() if device.type == "cpu" else 64
-    return max(1, _CHUNK_ELEMS * threads // per_pair)
+    """Block pairs per batched matmul: _CHUNK_ELEMS scores on CPU, where one thread runs
+    a chunk (`_run`) and its share should stay cache-sized; much larger on GPUs, where
+    the per-chunk launch and sync overhead dominates."""
+    return max(1, _CHUNK_ELEMS * (1 if device.type == "cpu" else 64) // per_pair)
 
 
-def _plan(count: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor]]:
-    """(c, flat row ids) for rows with equal count c, at most `width` pairs per chunk.
+class _Chunk(NamedTuple):
+    """Rows [lo, hi) of the count-sorted order: they keep c key blocks each."""
 
-    Rows whose c alone exceeds `width` come one at a time and are split along their
-    kept list (`_slices`), so every score buffer stays within the limit.
+    lo: int
+    hi: int
+    c: int
+    krows: torch.Tensor  # [n, c] flat key-block rows (b*Hkv*NB + h*NB + j), contiguous
+    idx: torch.Tensor  # [n, c] key block ids j, ascending, the last is the diagonal
+    bi: torch.Tensor  # [n] flat (b, i) query block ids (rows of _Masks)
+    plain: bool  # every row needs only the causal bias on its diagonal pair
+
+
+class _Plan(NamedTuple):
+    order: torch.Tensor  # [R] flat rows (b, h, i) sorted by kept count
+    chunks: list[_Chunk]
+    width: int  # kept pairs per slice: longer rows are cut along their kept list
+
+
+def _plan(table: BlockTable, masks: _Masks, per_pair: int, device: torch.device) -> _Plan:
+    """Rows of equal kept count c, `width // c` rows per chunk, in count-sorted order.
+
+    Everything per chunk is computed here at once (one host sync for all mask flags), so
+    the loops only slice views. Rows whose c alone exceeds `width` come one at a time and
+    are cut along their kept list (`_slices`), so every score buffer stays within limit.
     """
-    flat = count.flatten()
-    order = torch.argsort(flat, stable=True)
-    values, sizes = torch.unique_consecutive(flat[order], return_counts=True)
-    plan = []
-    for c, rows in zip(values.tolist(), order.split(sizes.tolist()), strict=True):
-        if c > 0:
-            plan.extend((c, r) for r in rows.split(max(1, width // c)))
-    return plan
+    width = _chunk_pairs(per_pair, device)
+    B, hkv, nb = table.kv_count.shape
+    bs = table.block_size
+    count = table.kv_count.flatten().long()
+    order = torch.argsort(count, stable=True)
+    counts, sizes = torch.unique_consecutive(count[order], return_counts=True)
+    index = table.kv_index.flatten(0, 2).long()[order]  # [R, MAXK]
+    i = order % nb
+    krows = (order - i)[:, None] + index
+    bi = order // (hkv * nb) * nb + i
+    # Beyond the causal diagonal a row needs masks when a document starts inside its
+    # query block, or when a kept key block starts before the block's first document.
+    slot = torch.arange(index.shape[1], device=index.device)
+    early = (masks.first_start[bi][:, None] > index * bs) & (slot < count[order][:, None])
+    special = (masks.mixed[bi] | early.any(1)).tolist()
+    chunks, lo = [], 0
+    for c, size in zip(counts.tolist(), sizes.tolist(), strict=True):
+        kr, ix = krows[lo : lo + size, :c].contiguous(), index[lo : lo + size, :c].contiguous()
+        step = max(1, width // c)
+        for a in range(0, size, step):
+            z = min(size, a + step)
+            plain = not any(special[lo + a : lo + z])
+            chunks.append(_Chunk(lo + a, lo + z, c, kr[a:z], ix[a:z], bi[lo + a : lo + z], plain))
+        lo += size
+    return _Plan(order, chunks, width)
+
+
+def _unsort(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows of x (in `order`) back to row order: one index_select."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=order.device)
+    return x.index_select(0, inverse)
 
 
 def _slices(c: int, width: int) -> list[tuple[int, int]]:
@@ -150,21 +196,62 @@ def _slices(c: int, width: int) -> list[tuple[int, int]]:
 class _Buffers:
     """Flat scratch tensors reused across chunks (views are handed out with `out=`).
 
-    sizes[k] = (elements per row, elements per kept pair in one slice) of buffer k.
+    pair_elems[k]: elements per kept pair in one slice of buffer k.
     """
 
-    def __init__(self, plan, width: int, sizes, dtype: torch.dtype, device: torch.device):
-        self.flat = [
-            torch.empty(
-                max((len(r) * (row + min(c, width) * pair) for c, r in plan), default=0),
-                dtype=dtype,
-                device=device,
-            )
-            for row, pair in sizes
-        ]
+    def __init__(self, chunks: list[_Chunk], width: int, pair_elems, dtype, device):
+        most = max(((ch.hi - ch.lo) * min(ch.c, width) for ch in chunks), default=0)
+        self.flat = [torch.empty(most * e, dtype=dtype, device=device) for e in pair_elems]
 
     def __call__(self, k: int, *shape: int) -> torch.Tensor:
         return self.flat[k][: math.prod(shape)].view(shape)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _single_thread() -> None:
+    # A thread takes torch's process-wide default at its first parallel op: take it now,
+    # then set this thread (OpenMP and MKL settings are per thread) to one.
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """n persistent worker threads, each set to one intra-op thread (thread-local in
+    OpenMP and MKL; torch's process-wide default, which that also sets, is restored)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL._max_workers < n:
+            if _POOL is not None:
+                _POOL.shutdown()
+            threads = torch.get_num_threads()
+            started = threading.Barrier(n, timeout=60)  # all n threads exist and are set
+            _POOL = ThreadPoolExecutor(n, "block_sparse", initializer=_single_thread)
+            list(_POOL.map(lambda _: started.wait(), range(n)))
+            torch.set_num_threads(threads)
+        return _POOL
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but not its threads
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run(work, chunks: list[_Chunk], device: torch.device) -> list:
+    """[work(part)] over all chunks. On CPU with T torch threads, T single-threaded workers
+    take the chunks round-robin: whole chunks in parallel scale better than splitting
+    each chunk's ~12 small ops over threads (one OpenMP barrier each, serial Python in
+    between), and a worker slowed by other load stalls only itself. Every chunk writes
+    its own rows, so the result does not depend on scheduling."""
+    n = min(torch.get_num_threads() if device.type == "cpu" else 1, len(chunks))
+    if n <= 1:
+        return [work(chunks)]
+    return list(_pool(n).map(work, [chunks[w::n] for w in range(n)]))
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -172,6 +259,14 @@ def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.
     flat = out.view(index.numel(), *src.shape[1:])
     torch.index_select(src, 0, index.flatten(), out=flat)
     return out
+
+
+def _mask_slice(s, ch: _Chunk, s0: int, s1: int, masks: _Masks, bs: int) -> None:
+    """Add the document-causal mask to the scores s [n, G*Bs, w*Bs] of slots [s0, s1)."""
+    if not ch.plain:
+        _mask_kv_chunk(s, ch.bi, ch.idx[:, s0:s1], masks, bs, diag=s1 == ch.c)
+    elif s1 == ch.c:  # one document around every row: only the diagonal is masked
+        s.view(s.shape[0], -1, bs, s1 - s0, bs)[:, :, :, -1].add_(masks.causal)
 
 
 def _mask_kv_chunk(s, bi: torch.Tensor, idx: torch.Tensor, masks: _Masks, bs: int, diag: bool):
@@ -194,27 +289,6 @@ def _mask_kv_chunk(s, bi: torch.Tensor, idx: torch.Tensor, masks: _Masks, bs: in
     elif bool(cut[:, 0].any()):  # sink block of a document that starts mid-block
         kpos = idx[:, :1] * bs + torch.arange(bs, device=s.device)
         s5[:, :, :, 0].add_(_bias(kpos >= start, s.dtype)[:, None, None])
-
-
-def _mask_q_chunk(
-    s, bj: torch.Tensor, j: torch.Tensor, bi: torch.Tensor, masks: _Masks, bs: int, diag: bool
-):
-    """Add the mask to scores s [n, c*G*Bs_q, Bs_k] of query blocks bi [n, c] (ascending;
-    if `diag`, the first one is the diagonal) against key blocks bj [n] (j within the row)."""
-    n, c = bi.shape
-    s5 = s.view(n, c, -1, bs, bs)  # [n, c, G, Bs_q, Bs_k]
-    first = 1 if diag else 0  # off-diagonal slots are [first, c)
-    if diag:
-        s5[:, 0].add_(masks.diag[bj][:, None])
-    if first == c:
-        return
-    off = bi[:, first:]
-    if bool(masks.mixed[off].any()):
-        s5[:, first:].add_(masks.row[off][:, :, None, :, None])
-    start = masks.first_start[off]  # [n, c - first]
-    if bool((start > j[:, None] * bs).any()):
-        kpos = j[:, None, None] * bs + torch.arange(bs, device=s.device)  # [n, 1, Bs_k]
-        s5[:, first:].add_(_bias(kpos >= start[:, :, None], s.dtype)[:, :, None, None])
 
 
 def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) -> None:
@@ -249,12 +323,6 @@ def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) 
         raise ValueError("q_count/q_index are not the transpose of kv_count/kv_index")
 
 
-def _blocks_of(rows: torch.Tensor, nb: int, hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat (b, h, i) row -> (row base b*Hkv*NB + h*NB, flat (b, i) block id)."""
-    i = rows % nb
-    return rows - i, rows // (hkv * nb) * nb + i
-
-
 def block_sparse_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -272,72 +340,56 @@ def block_sparse_forward(
     qblk = _to_q_blocks(q, hkv, bs, wd, scale * _LOG2E)  # [R, G, Bs, D], R = B*Hkv*NB
     kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [R, Bs, D]
     masks = _masks(doc_id, nb, bs, wd)
-    out = torch.empty_like(qblk)
-    lse = torch.empty(*qblk.shape[:3], 1, dtype=wd, device=q.device)  # base 2
-    kv_index = table.kv_index.long().flatten(0, 2)
-    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
-    width = _chunk_pairs(gbb, q.device)
-    plan = _plan(table.kv_count, width)
-    sizes = [(0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0), (gb, 0)]
-    buf = _Buffers(plan, width, sizes, wd, q.device)
-    for c, rows in plan:
-        n = len(rows)
-        base, bi = _blocks_of(rows, nb, hkv)
-        qb = _gather(qblk, rows, buf(3, n, gb, D))
-        o, m, denom = buf(4, n, gb, D), buf(6, n, gb, 1), buf(7, n, gb, 1)
-        slices = _slices(c, width)  # one slice unless a row alone is too long
-        for s0, s1 in slices:
-            idx = kv_index[rows, s0:s1]
-            krows = base[:, None] + idx
-            w = s1 - s0
-            kb = _gather(kblk, krows, buf(1, n, w * bs, D))
-            vb = _gather(vblk, krows, buf(2, n, w * bs, D))
-            s = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
-            _mask_kv_chunk(s, bi, idx, masks, bs, diag=s1 == c)
-            if len(slices) == 1:
-                torch.amax(s, dim=-1, keepdim=True, out=m)
-                p = s.sub_(m).exp2_()
-                torch.sum(p, dim=-1, keepdim=True, out=denom)
-                torch.bmm(p, vb, out=o)
-                continue
-            # Online softmax across slices, as in flash attention. A row may see nothing
-            # in the first slices (m = -inf); it is stabilised with 0 until it does.
-            m_new = s.amax(dim=-1, keepdim=True)
-            if s0 > 0:
-                m_new = torch.maximum(m, m_new)
-            m_use = m_new.nan_to_num(neginf=0.0)
-            p = s.sub_(m_use).exp2_()
-            if s0 == 0:
-                torch.sum(p, dim=-1, keepdim=True, out=denom)
-                torch.bmm(p, vb, out=o)
-            else:
-                alpha = (m - m_use).exp2_()
-                denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-                o.mul_(alpha).add_(torch.bmm(p, vb, out=buf(5, n, gb, D)))
-            m.copy_(m_new)
-        out.index_copy_(0, rows, o.div_(denom).view(n, G, bs, D))
-        lse.index_copy_(0, rows, m.add_(denom.log2_()).view(n, G, bs, 1))
+    gb = G * bs
+    plan = _plan(table, masks, gb * bs, q.device)
+    width = plan.width
+    qs = qblk.view(-1, gb, D).index_select(0, plan.order)  # rows in plan order
+    out = torch.empty_like(qs)  # plan order, like m and denom
+    m_all = torch.empty(*qs.shape[:2], 1, dtype=wd, device=q.device)  # base 2
+    denom_all = torch.empty_like(m_all)
+
+    def work(chunks: list[_Chunk]) -> None:
+        buf = _Buffers(chunks, width, [gb * bs, bs * D, bs * D, gb * D], wd, q.device)
+        for ch in chunks:
+            n, c = ch.hi - ch.lo, ch.c
+            qb, o = qs[ch.lo : ch.hi], out[ch.lo : ch.hi]
+            m, denom = m_all[ch.lo : ch.hi], denom_all[ch.lo : ch.hi]
+            slices = _slices(c, width)  # one slice unless a row alone is too long
+            for s0, s1 in slices:
+                krows = ch.krows[:, s0:s1]
+                w = s1 - s0
+                kb = _gather(kblk, krows, buf(1, n, w * bs, D))
+                vb = _gather(vblk, krows, buf(2, n, w * bs, D))
+                s = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
+                _mask_slice(s, ch, s0, s1, masks, bs)
+                if len(slices) == 1:
+                    torch.amax(s, dim=-1, keepdim=True, out=m)
+                    p = s.sub_(m).exp2_()
+                    torch.sum(p, dim=-1, keepdim=True, out=denom)
+                    torch.bmm(p, vb, out=o)
+                    continue
+                # Online softmax across slices, as in flash attention. A row may see nothing
+                # in the first slices (m = -inf); it is stabilised with 0 until it does.
+                m_new = s.amax(dim=-1, keepdim=True)
+                if s0 > 0:
+                    m_new = torch.maximum(m, m_new)
+                m_use = m_new.nan_to_num(neginf=0.0)
+                p = s.sub_(m_use).exp2_()
+                if s0 == 0:
+                    torch.sum(p, dim=-1, keepdim=True, out=denom)
+                    torch.bmm(p, vb, out=o)
+                else:
+                    alpha = (m - m_use).exp2_()
+                    denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+                    o.mul_(alpha).add_(torch.bmm(p, vb, out=buf(3, n, gb, D)))
+                m.copy_(m_new)
+            o.div_(denom)
+
+    _run(work, plan.chunks, q.device)
+    lse = _unsort(m_all.add_(denom_all.log2_()), plan.order).view(*qblk.shape[:3], 1)
     lse = _from_q_blocks(lse, (B, Hq, L, 1), hkv, wd, math.log(2.0))[..., 0]
+    out = _unsort(out, plan.order).view(qblk.shape)
     return _from_q_blocks(out, q.shape, hkv, q.dtype), lse
-
-
-@dataclass
-class _BackwardBlocks:
-    """The backward's operands, cut into blocks once and shared by dQ and dK/dV."""
-
-    qblk: torch.Tensor  # [R, G, Bs, D] q * scale * log2(e)
-    doblk: torch.Tensor  # [R, G, Bs, D]
-    kblk: torch.Tensor  # [R, Bs, D]
-    vblk: torch.Tensor
-    deltablk: torch.Tensor  # [R, G, Bs, 1] rowsum(dO * O)
-    lseblk: torch.Tensor  # [R, G, Bs, 1] base 2
-    masks: Any
-    nb: int
-    hkv: int
-    bs: int
-    G: int
-    D: int
-    width: int
 
 
 def block_sparse_backward(
@@ -353,113 +405,69 @@ def block_sparse_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from the saved out and lse; recomputes probabilities per block pair.
 
-    dQ over rows of the kv table, dK/dV over rows of the transposed table: every
-    gradient block is written exactly once, so nothing is scattered or accumulated
-    across chunks (no index_add_, whose multi-threaded CPU path is very slow).
+    One pass over rows of the kv table (query block -> kept key blocks), 5 matmuls per
+    pair as in flash attention's backward. dQ rows are complete within a chunk; the
+    chunk's dK/dV tiles ([Bs, D] per pair) are summed into their key blocks with
+    `index_add_`, which on CPU adds rows serially in index order (deterministic).
     """
     B, Hq, L, D = q.shape
     hkv, bs = k.shape[1], table.block_size
     nb, G = num_blocks(L, bs), Hq // hkv
     wd = _work_dtype(q.dtype)
+    gb = G * bs
+    masks = _masks(doc_id, nb, bs, wd)
+    plan = _plan(table, masks, gb * bs, q.device)
+    width = plan.width
+
+    def rows(x: torch.Tensor, s: float = 1.0) -> torch.Tensor:  # [B, Hq, L, E] in plan order
+        blk = _to_q_blocks(x, hkv, bs, wd, s)
+        return blk.view(-1, gb, x.shape[-1]).index_select(0, plan.order)
+
     delta = torch.linalg.vecdot(grad_out.to(wd), out.to(wd))[..., None]  # rowsum(dO * O)
-    blocks = _BackwardBlocks(
-        qblk=_to_q_blocks(q, hkv, bs, wd, scale * _LOG2E),
-        doblk=_to_q_blocks(grad_out, hkv, bs, wd),
-        kblk=_to_blocks(k, bs, wd),
-        vblk=_to_blocks(v, bs, wd),
-        deltablk=_to_q_blocks(delta, hkv, bs, wd),
-        lseblk=_to_q_blocks(lse[..., None], hkv, bs, wd, _LOG2E),
-        masks=_masks(doc_id, nb, bs, wd),
-        nb=nb,
-        hkv=hkv,
-        bs=bs,
-        G=G,
-        D=D,
-        width=_chunk_pairs(G * bs * bs, q.device),
-    )
-    dq = _from_q_blocks(_backward_dq(blocks, table, wd, q.device), q.shape, hkv, q.dtype, scale)
-    dk, dv = _backward_dkdv(blocks, table, wd, q.device)
-    # qblk carries scale * log2(e), so dk picks up a factor log2(e) too much.
+    qs, dos = rows(q, scale * _LOG2E), rows(grad_out)  # [R, G*Bs, D]
+    deltas, lses = rows(delta), rows(lse[..., None], _LOG2E)  # [R, G*Bs, 1], lse base 2
+    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)
+    dq = torch.empty_like(qs)  # plan order
+
+    def work(chunks: list[_Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """dQ rows of `chunks`, and their dK, dV contributions (summed by the caller)."""
+        sizes = [gb * bs, gb * bs, bs * D, bs * D, gb * D, bs * D, bs * D]
+        buf = _Buffers(chunks, width, sizes, wd, q.device)
+        dk, dv = torch.zeros_like(kblk), torch.zeros_like(vblk)
+        for ch in chunks:
+            n, c = ch.hi - ch.lo, ch.c
+            qb, dob, dq_r = qs[ch.lo : ch.hi], dos[ch.lo : ch.hi], dq[ch.lo : ch.hi]
+            lse_r, delta_r = lses[ch.lo : ch.hi], deltas[ch.lo : ch.hi]
+            for s0, s1 in _slices(c, width):
+                krows = ch.krows[:, s0:s1].flatten()
+                w = s1 - s0
+                kb = _gather(kblk, krows, buf(2, n, w * bs, D))
+                vb = _gather(vblk, krows, buf(3, n, w * bs, D))
+                p = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
+                _mask_slice(p, ch, s0, s1, masks, bs)
+                p.sub_(lse_r).exp2_()
+                ds = torch.bmm(dob, vb.transpose(1, 2), out=buf(1, n, gb, w * bs))
+                ds.sub_(delta_r).mul_(p)
+                if s0 == 0:
+                    torch.bmm(ds, kb, out=dq_r)
+                else:
+                    dq_r.add_(torch.bmm(ds, kb, out=buf(4, n, gb, D)))
+                dv_t = torch.bmm(p.transpose(1, 2), dob, out=buf(5, n, w * bs, D))
+                dk_t = torch.bmm(ds.transpose(1, 2), qb, out=buf(6, n, w * bs, D))
+                dv.index_add_(0, krows, dv_t.view(n * w, bs, D))
+                dk.index_add_(0, krows, dk_t.view(n * w, bs, D))
+        return dk, dv
+
+    parts = _run(work, plan.chunks, q.device)
+    dk, dv = parts[0]
+    for dk_w, dv_w in parts[1:]:  # fixed order: deterministic for a given thread count
+        dk.add_(dk_w)
+        dv.add_(dv_w)
+    dq = _unsort(dq, plan.order).view(-1, G, bs, D)
+    dq = _from_q_blocks(dq, q.shape, hkv, q.dtype, scale)
+    # qs carries scale * log2(e), so dk picks up a factor log2(e) too much.
     dk = dk.mul_(math.log(2.0)).view(B, hkv, nb * bs, D)[:, :, :L]
     return dq, dk.to(k.dtype), dv.view(B, hkv, nb * bs, D)[:, :, :L].to(v.dtype)
-
-
-def _backward_dq(x: _BackwardBlocks, table: BlockTable, wd, device) -> torch.Tensor:
-    """dQ over rows of the kv table (query block -> kept key blocks)."""
-    nb, hkv, bs, G, D, width = x.nb, x.hkv, x.bs, x.G, x.D, x.width
-    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
-    dq = torch.empty_like(x.qblk)
-    kv_index = table.kv_index.long().flatten(0, 2)
-    plan = _plan(table.kv_count, width)
-    sizes = [(0, gbb), (0, gbb), (0, bd), (0, bd), (gbd, 0), (gbd, 0), (gb, 0), (gb, 0)]
-    sizes += [(gbd, 0), (gbd, 0)]
-    buf = _Buffers(plan, width, sizes, wd, device)
-    for c, rows in plan:
-        n = len(rows)
-        base, bi = _blocks_of(rows, nb, hkv)
-        qb = _gather(x.qblk, rows, buf(4, n, gb, D))
-        dob = _gather(x.doblk, rows, buf(5, n, gb, D))
-        lse_r = _gather(x.lseblk, rows, buf(6, n, gb, 1))
-        delta_r = _gather(x.deltablk, rows, buf(7, n, gb, 1))
-        dq_r = buf(8, n, gb, D)
-        for s0, s1 in _slices(c, width):
-            idx = kv_index[rows, s0:s1]
-            krows = base[:, None] + idx
-            w = s1 - s0
-            kb = _gather(x.kblk, krows, buf(2, n, w * bs, D))
-            vb = _gather(x.vblk, krows, buf(3, n, w * bs, D))
-            p = torch.bmm(qb, kb.transpose(1, 2), out=buf(0, n, gb, w * bs))
-            _mask_kv_chunk(p, bi, idx, x.masks, bs, diag=s1 == c)
-            p.sub_(lse_r).exp2_()
-            ds = torch.bmm(dob, vb.transpose(1, 2), out=buf(1, n, gb, w * bs))
-            ds.sub_(delta_r).mul_(p)
-            if s0 == 0:
-                torch.bmm(ds, kb, out=dq_r)
-            else:
-                dq_r.add_(torch.bmm(ds, kb, out=buf(9, n, gb, D)))
-        dq.index_copy_(0, rows, dq_r.view(n, G, bs, D))
-    return dq
-
-
-def _backward_dkdv(
-    x: _BackwardBlocks, table: BlockTable, wd, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """dK, dV over rows of the transposed table (key block -> query blocks that kept it)."""
-    nb, hkv, bs, G, D, width = x.nb, x.hkv, x.bs, x.G, x.D, x.width
-    gbb, gbd, bd, gb = G * bs * bs, G * bs * D, bs * D, G * bs
-    dk, dv = torch.empty_like(x.kblk), torch.empty_like(x.vblk)
-    q_index = table.q_index.long().flatten(0, 2)
-    plan = _plan(table.q_count, width)
-    sizes = [(0, gbb), (0, gbb), (0, gbd), (0, gbd), (bd, 0), (bd, 0), (0, gb), (0, gb)]
-    sizes += [(bd, 0), (bd, 0), (bd, 0)]
-    buf = _Buffers(plan, width, sizes, wd, device)
-    for c, rows in plan:
-        n = len(rows)
-        base, bj = _blocks_of(rows, nb, hkv)
-        j = rows - base
-        kb = _gather(x.kblk, rows, buf(4, n, bs, D))
-        vb = _gather(x.vblk, rows, buf(5, n, bs, D))
-        dk_r, dv_r = buf(8, n, bs, D), buf(9, n, bs, D)
-        for s0, s1 in _slices(c, width):
-            idx = q_index[rows, s0:s1]  # ascending; q_index[:, 0] == j (the diagonal)
-            qrows = base[:, None] + idx
-            w = s1 - s0
-            qg = _gather(x.qblk, qrows, buf(2, n, w * gb, D))
-            dog = _gather(x.doblk, qrows, buf(3, n, w * gb, D))
-            p = torch.bmm(qg, kb.transpose(1, 2), out=buf(0, n, w * gb, bs))
-            _mask_q_chunk(p, bj, j, bj[:, None] - j[:, None] + idx, x.masks, bs, diag=s0 == 0)
-            p.sub_(_gather(x.lseblk, qrows, buf(6, n, w * gb, 1))).exp2_()
-            ds = torch.bmm(dog, vb.transpose(1, 2), out=buf(1, n, w * gb, bs))
-            ds.sub_(_gather(x.deltablk, qrows, buf(7, n, w * gb, 1))).mul_(p)
-            if s0 == 0:
-                torch.bmm(p.transpose(1, 2), dog, out=dv_r)
-                torch.bmm(ds.transpose(1, 2), qg, out=dk_r)
-            else:
-                dv_r.add_(torch.bmm(p.transpose(1, 2), dog, out=buf(10, n, bs, D)))
-                dk_r.add_(torch.bmm(ds.transpose(1, 2), qg, out=buf(10, n, bs, D)))
-        dv.index_copy_(0, rows, dv_r)
-        dk.index_copy_(0, rows, dk_r)
-    return dk, dv
 
 
 class BlockSparseAttention(torch.autograd.Function):
