@@ -1,45 +1,47 @@
 """Block-sparse attention in plain PyTorch (CPU reference path; also runs on CUDA).
 
 Work is linear in the kept block pairs. Rows of the block table (one per (b, kv head,
-query block)) are grouped by their kept count c; a group gathers its c key blocks into
-one [n, c*Bs, D] tensor and runs one batched matmul for all G query heads of the kv
-head at once ([n, G*Bs, D] x [n, D, c*Bs]). A group normally holds complete softmax
-rows, so the forward needs no online rescaling (rows longer than the chunk limit are
-cut into slices and merged flash-style). Like flash attention the forward returns out
-and the log-sum-exp (lse), and the backward recomputes probabilities from the lse:
-  - dQ over rows of the kv table (query block -> its kept key blocks);
-  - dK, dV over rows of the transposed table (key block -> the query blocks that kept
-    it), batched the same way.
-Every gradient block is written exactly once, so nothing is scattered: deterministic,
-and no `index_add_` (whose multi-threaded CPU path is slow). The price is recomputing
-the scores twice in the backward, 9 matmuls per pair in all instead of 7.
+query block)) are sorted by their kept count c and cut into chunks of equal c; a chunk
+gathers its c key blocks into one [n, c*Bs, D] tensor and runs one batched matmul for
+all G query heads of the kv head at once ([n, G*Bs, D] x [n, D, c*Bs]). A chunk
+normally holds complete softmax rows, so the forward needs no online rescaling (rows
+longer than the chunk limit are cut into slices and merged flash-style). Like flash
+attention the forward returns out and the log-sum-exp (lse), and the backward
+recomputes probabilities from the lse in one pass over the same chunks, 5 matmuls per
+pair (7 with the forward): dQ rows are complete within a chunk, and the chunk's dK/dV
+tiles are summed into their key blocks with `index_add_` (serial in index order on
+CPU, so deterministic for a given thread count).
 
 CPU details that matter for speed (measured, see docs/attention.md):
+  - chunks run whole on single-threaded workers, one per torch thread (`run_split`), instead
+    of splitting each chunk's ~12 small ops over threads;
+  - everything per chunk (sorted rows, key rows, mask flags) is planned once per call
+    (`_plan`); q, out and lse live in plan order, so chunks read and write contiguous
+    slices, and one index_select per tensor restores row order;
   - scores are kept in base 2 (q is pre-scaled by scale * log2(e)) because exp2 is ~3x
     faster than exp on CPU;
-  - chunks of `_CHUNK_ELEMS` score elements per thread reuse preallocated buffers via
-    `out=`: fresh multi-MB allocations page-fault and cost more than the math;
+  - chunks of `_CHUNK_ELEMS` score elements reuse preallocated buffers via `out=`:
+    fresh multi-MB allocations page-fault and cost more than the math;
   - masks are only added where needed. Inside a pair (query block i, key block j < i)
     the document-causal mask is separable: query token t sees key s iff t is in
     first_doc(i) (a row mask, only non-trivial when a document starts inside block i)
     and s >= doc_start(first_doc(i)) (a column mask, only non-trivial on the sink
-    block). Only the diagonal pair needs a full [Bs, Bs] mask, precomputed per block.
+    block). Only the diagonal pair needs a full [Bs, Bs] mask, precomputed per block;
+    chunks whose rows all lie in one document add one causal [Bs, Bs] bias.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
 
 from sb_titan.attention.estimator import num_blocks, token_doc_start
 from sb_titan.attention.selection import BlockTable
+from sb_titan.attention.workers import run_split
 
-_CHUNK_ELEMS = 1 << 18  # score elements per chunk and CPU thread (1 MiB fp32, fits L2)
+_CHUNK_ELEMS = 1 << 19  # score elements per chunk (2 MiB fp32): the fastest of 2^17..2^21
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -124,7 +126,7 @@ def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: 
 
 def _chunk_pairs(per_pair: int, device: torch.device) -> int:
     """Block pairs per batched matmul: _CHUNK_ELEMS scores on CPU, where one thread runs
-    a chunk (`_run`) and its share should stay cache-sized; much larger on GPUs, where
+    a chunk (`run_split`) and its share should stay cache-sized; much larger on GPUs, where
     the per-chunk launch and sync overhead dominates."""
     return max(1, _CHUNK_ELEMS * (1 if device.type == "cpu" else 64) // per_pair)
 
@@ -205,53 +207,6 @@ class _Buffers:
 
     def __call__(self, k: int, *shape: int) -> torch.Tensor:
         return self.flat[k][: math.prod(shape)].view(shape)
-
-
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
-
-
-def _single_thread() -> None:
-    # A thread takes torch's process-wide default at its first parallel op: take it now,
-    # then set this thread (OpenMP and MKL settings are per thread) to one.
-    torch.get_num_threads()
-    torch.set_num_threads(1)
-
-
-def _pool(n: int) -> ThreadPoolExecutor:
-    """n persistent worker threads, each set to one intra-op thread (thread-local in
-    OpenMP and MKL; torch's process-wide default, which that also sets, is restored)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < n:
-            if _POOL is not None:
-                _POOL.shutdown()
-            threads = torch.get_num_threads()
-            started = threading.Barrier(n, timeout=60)  # all n threads exist and are set
-            _POOL = ThreadPoolExecutor(n, "block_sparse", initializer=_single_thread)
-            list(_POOL.map(lambda _: started.wait(), range(n)))
-            torch.set_num_threads(threads)
-        return _POOL
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but not its threads
-    global _POOL
-    _POOL = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _run(work, chunks: list[_Chunk], device: torch.device) -> list:
-    """[work(part)] over all chunks. On CPU with T torch threads, T single-threaded workers
-    take the chunks round-robin: whole chunks in parallel scale better than splitting
-    each chunk's ~12 small ops over threads (one OpenMP barrier each, serial Python in
-    between), and a worker slowed by other load stalls only itself. Every chunk writes
-    its own rows, so the result does not depend on scheduling."""
-    n = min(torch.get_num_threads() if device.type == "cpu" else 1, len(chunks))
-    if n <= 1:
-        return [work(chunks)]
-    return list(_pool(n).map(work, [chunks[w::n] for w in range(n)]))
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -385,7 +340,7 @@ def block_sparse_forward(
                 m.copy_(m_new)
             o.div_(denom)
 
-    _run(work, plan.chunks, q.device)
+    run_split(work, plan.chunks, q.device)
     lse = _unsort(m_all.add_(denom_all.log2_()), plan.order).view(*qblk.shape[:3], 1)
     lse = _from_q_blocks(lse, (B, Hq, L, 1), hkv, wd, math.log(2.0))[..., 0]
     out = _unsort(out, plan.order).view(qblk.shape)
@@ -458,7 +413,7 @@ def block_sparse_backward(
                 dk.index_add_(0, krows, dk_t.view(n * w, bs, D))
         return dk, dv
 
-    parts = _run(work, plan.chunks, q.device)
+    parts = run_split(work, plan.chunks, q.device)
     dk, dv = parts[0]
     for dk_w, dv_w in parts[1:]:  # fixed order: deterministic for a given thread count
         dk.add_(dk_w)
