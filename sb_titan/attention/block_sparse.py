@@ -183,11 +183,22 @@ def _plan(table: BlockTable, masks: _Masks, per_pair: int, device: torch.device)
     return _Plan(order, chunks, width)
 
 
-def _unsort(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+def _rows_in_order(x: torch.Tensor, hkv: int, bs: int, dtype, order, scale: float = 1.0):
+    """(scale * x as [R, G*Bs, E] rows in `order`, a spare tensor of that shape).
+
+    Fresh multi-MB tensors cost page faults at first touch (~2.6 GB/s), comparable to
+    the copies themselves, so callers reuse the spare (the blocked copy) for outputs.
+    """
+    blk = _to_q_blocks(x, hkv, bs, dtype, scale)
+    blk = blk.view(blk.shape[0], -1, blk.shape[-1])
+    return blk.index_select(0, order), blk
+
+
+def _unsort(x: torch.Tensor, order: torch.Tensor, out: torch.Tensor | None = None):
     """Rows of x (in `order`) back to row order: one index_select."""
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)
-    return x.index_select(0, inverse)
+    return torch.index_select(x, 0, inverse, out=out)
 
 
 def _slices(c: int, width: int) -> list[tuple[int, int]]:
@@ -292,19 +303,20 @@ def block_sparse_forward(
     nb, G = num_blocks(L, bs), Hq // hkv
     check_table(table, B, hkv, L)
     wd = _work_dtype(q.dtype)
-    qblk = _to_q_blocks(q, hkv, bs, wd, scale * _LOG2E)  # [R, G, Bs, D], R = B*Hkv*NB
     kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [R, Bs, D]
     masks = _masks(doc_id, nb, bs, wd)
     gb = G * bs
     plan = _plan(table, masks, gb * bs, q.device)
     width = plan.width
-    qs = qblk.view(-1, gb, D).index_select(0, plan.order)  # rows in plan order
-    out = torch.empty_like(qs)  # plan order, like m and denom
+    # R = B*Hkv*NB rows [G*Bs, D], in plan order like out, m and denom
+    qs, out = _rows_in_order(q, hkv, bs, wd, plan.order, scale * _LOG2E)
     m_all = torch.empty(*qs.shape[:2], 1, dtype=wd, device=q.device)  # base 2
     denom_all = torch.empty_like(m_all)
 
-    def work(chunks: list[_Chunk]) -> None:
-        buf = _Buffers(chunks, width, [gb * bs, bs * D, bs * D, gb * D], wd, q.device)
+    def scratch() -> _Buffers:
+        return _Buffers(plan.chunks, width, [gb * bs, bs * D, bs * D, gb * D], wd, q.device)
+
+    def work(chunks: list[_Chunk], buf: _Buffers) -> None:
         for ch in chunks:
             n, c = ch.hi - ch.lo, ch.c
             qb, o = qs[ch.lo : ch.hi], out[ch.lo : ch.hi]
@@ -340,10 +352,10 @@ def block_sparse_forward(
                 m.copy_(m_new)
             o.div_(denom)
 
-    run_split(work, plan.chunks, q.device)
-    lse = _unsort(m_all.add_(denom_all.log2_()), plan.order).view(*qblk.shape[:3], 1)
+    run_split(work, plan.chunks, q.device, scratch, parts_per_worker=8)
+    lse = _unsort(m_all.add_(denom_all.log2_()), plan.order).view(-1, G, bs, 1)
     lse = _from_q_blocks(lse, (B, Hq, L, 1), hkv, wd, math.log(2.0))[..., 0]
-    out = _unsort(out, plan.order).view(qblk.shape)
+    out = _unsort(out, plan.order, out=qs).view(-1, G, bs, D)  # qs is free now
     return _from_q_blocks(out, q.shape, hkv, q.dtype), lse
 
 
@@ -374,20 +386,20 @@ def block_sparse_backward(
     plan = _plan(table, masks, gb * bs, q.device)
     width = plan.width
 
-    def rows(x: torch.Tensor, s: float = 1.0) -> torch.Tensor:  # [B, Hq, L, E] in plan order
-        blk = _to_q_blocks(x, hkv, bs, wd, s)
-        return blk.view(-1, gb, x.shape[-1]).index_select(0, plan.order)
+    def rows(x: torch.Tensor, s: float = 1.0):  # [B, Hq, L, E] -> plan order, spare
+        return _rows_in_order(x, hkv, bs, wd, plan.order, s)
 
     delta = torch.linalg.vecdot(grad_out.to(wd), out.to(wd))[..., None]  # rowsum(dO * O)
-    qs, dos = rows(q, scale * _LOG2E), rows(grad_out)  # [R, G*Bs, D]
-    deltas, lses = rows(delta), rows(lse[..., None], _LOG2E)  # [R, G*Bs, 1], lse base 2
+    (qs, dq), (dos, _) = rows(q, scale * _LOG2E), rows(grad_out)  # [R, G*Bs, D]; dq: plan order
+    deltas, lses = rows(delta)[0], rows(lse[..., None], _LOG2E)[0]  # [R, G*Bs, 1], lse base 2
     kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)
-    dq = torch.empty_like(qs)  # plan order
 
-    def work(chunks: list[_Chunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """dQ rows of `chunks`, and their dK, dV contributions (summed by the caller)."""
+    def scratch() -> _Buffers:
         sizes = [gb * bs, gb * bs, bs * D, bs * D, gb * D, bs * D, bs * D]
-        buf = _Buffers(chunks, width, sizes, wd, q.device)
+        return _Buffers(plan.chunks, width, sizes, wd, q.device)
+
+    def work(chunks: list[_Chunk], buf: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:
+        """dQ rows of `chunks`, and their dK, dV contributions (summed by the caller)."""
         dk, dv = torch.zeros_like(kblk), torch.zeros_like(vblk)
         for ch in chunks:
             n, c = ch.hi - ch.lo, ch.c
@@ -413,12 +425,13 @@ def block_sparse_backward(
                 dk.index_add_(0, krows, dk_t.view(n * w, bs, D))
         return dk, dv
 
-    parts = run_split(work, plan.chunks, q.device)
+    # 2 parts per worker: some balancing under load, 2*T dK/dV-sized accumulators.
+    parts = run_split(work, plan.chunks, q.device, scratch, parts_per_worker=2)
     dk, dv = parts[0]
     for dk_w, dv_w in parts[1:]:  # fixed order: deterministic for a given thread count
         dk.add_(dk_w)
         dv.add_(dv_w)
-    dq = _unsort(dq, plan.order).view(-1, G, bs, D)
+    dq = _unsort(dq, plan.order, out=dos).view(-1, G, bs, D)  # dos is free now
     dq = _from_q_blocks(dq, q.shape, hkv, q.dtype, scale)
     # qs carries scale * log2(e), so dk picks up a factor log2(e) too much.
     dk = dk.mul_(math.log(2.0)).view(B, hkv, nb * bs, D)[:, :, :L]

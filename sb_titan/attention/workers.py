@@ -19,10 +19,10 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
+S = TypeVar("S")
 
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-_POOL_LOCK = threading.Lock()
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
 
 
 def _single_thread() -> None:
@@ -35,33 +35,44 @@ def _single_thread() -> None:
 def _pool(n: int) -> ThreadPoolExecutor:
     """n persistent worker threads, each set to one intra-op thread (thread-local in
     OpenMP and MKL; torch's process-wide default, which that also sets, is restored)."""
-    global _POOL, _POOL_SIZE
-    with _POOL_LOCK:
-        if _POOL is None or _POOL_SIZE < n:
-            if _POOL is not None:
-                _POOL.shutdown()
+    with _POOLS_LOCK:
+        if n not in _POOLS:
             threads = torch.get_num_threads()
             started = threading.Barrier(n, timeout=60)  # all n threads exist and are set
-            _POOL = ThreadPoolExecutor(n, "block_sparse", initializer=_single_thread)
-            list(_POOL.map(lambda _: started.wait(), range(n)))
+            pool = ThreadPoolExecutor(n, "sb_titan_worker", initializer=_single_thread)
+            list(pool.map(lambda _: started.wait(), range(n)))
             torch.set_num_threads(threads)
-            _POOL_SIZE = n
-        return _POOL
+            _POOLS[n] = pool
+        return _POOLS[n]
 
 
-def _forget_pool() -> None:  # a forked child has the pool object but not its threads
-    global _POOL
-    _POOL = None
+os.register_at_fork(after_in_child=_POOLS.clear)  # a child has the pools but no threads
 
 
-os.register_at_fork(after_in_child=_forget_pool)
+def run_split(
+    work: Callable[[list, S], T],
+    items: list,
+    device: torch.device,
+    scratch: Callable[[], S],
+    parts_per_worker: int = 1,
+) -> list[T]:
+    """[work(part, scratch) for each part], parts in order.
 
-
-def run_split(work: Callable[[list], T], items: list, device: torch.device) -> list[T]:
-    """[work(part) for each part]: all items in one part, or on CPU with T > 1 torch
-    threads, T parts dealt round-robin (items[w::T]) to T single-threaded workers. The
-    split depends only on T, so results are deterministic for a given thread count."""
+    Serially with one part on GPUs or with one torch thread. Otherwise, with T torch
+    threads, the items are dealt round-robin into P = T * parts_per_worker parts
+    (items[p::P]) that T single-threaded workers take as they become free, so a worker
+    slowed by other load takes fewer. Each worker builds `scratch()` once per call. The
+    parts depend only on T, so per-part results are deterministic for a given T.
+    """
     n = min(torch.get_num_threads() if device.type == "cpu" else 1, len(items))
     if n <= 1:
-        return [work(items)]
-    return list(_pool(n).map(work, [items[w::n] for w in range(n)]))
+        return [work(items, scratch())]
+    local = threading.local()
+
+    def run(part: list) -> T:
+        if not hasattr(local, "scratch"):
+            local.scratch = scratch()
+        return work(part, local.scratch)
+
+    P = min(len(items), n * parts_per_worker)
+    return list(_pool(n).map(run, [items[p::P] for p in range(P)]))
