@@ -133,7 +133,7 @@ def test_rows_split_into_slices_match_reference(monkeypatch, policy, budget):
     the forward, accumulated dQ/dK/dV); two blocks per slice here."""
     from sb_titan.attention import block_sparse
 
-    monkeypatch.setattr(block_sparse, "_chunk_pairs", lambda per_pair, device: 2)
+    monkeypatch.setattr(block_sparse, "_chunk_pairs", lambda per_pair, device: (2, 2))
     doc_id = make_doc_id([[40, 300, 200, 110], [100, 10, 30, 510]])
     q, k, v = make_qkv(2, 4, 2, 650, 64, torch.float64)
     table, _ = select_blocks(q, k, doc_id, budget, policy=policy, block_size=64)

@@ -41,7 +41,8 @@ from sb_titan.attention.estimator import num_blocks, token_doc_start
 from sb_titan.attention.selection import BlockTable
 from sb_titan.attention.workers import run_split
 
-_CHUNK_ELEMS = 1 << 19  # score elements per chunk (2 MiB fp32): the fastest of 2^17..2^21
+_CHUNK_ELEMS = 1 << 20  # score elements per chunk, all buffers (4 MiB fp32); fastest measured
+_ROW_ELEMS = 1 << 21  # score elements of one row before it is cut into slices
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -90,53 +91,43 @@ def _to_blocks(x: torch.Tensor, bs: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _q_views(tok: torch.Tensor, blk: torch.Tensor, hkv: int, bs: int):
-    """Matching views of tok [B, Hq, L, E] and blk [B*Hkv*NB, G, Bs, E]: full blocks, tail."""
-    B, Hq, L, E = tok.shape
-    G, nfull, rem = Hq // hkv, L // bs, L % bs
-    blk6 = blk.view(B, hkv, -1, G, bs, E).permute(0, 1, 3, 2, 4, 5)  # [B, Hkv, G, NB, Bs, E]
-    tok5 = tok.unflatten(1, (hkv, G))
-    views = [(tok5[:, :, :, : nfull * bs].unflatten(3, (nfull, bs)), blk6[:, :, :, :nfull])]
-    if rem:
-        views.append((tok5[:, :, :, nfull * bs :], blk6[:, :, :, nfull, :rem]))
-    return views
+def _tokens6(x: torch.Tensor, hkv: int, bs: int) -> torch.Tensor:
+    """[B, H, L, E] -> view [B, Hkv, NB, G, Bs, E]: [b, h, i] is a GQA group's block i.
+
+    Works for any strides; only when Bs does not divide L is a zero-padded copy made.
+    """
+    pad = num_blocks(x.shape[2], bs) * bs - x.shape[2]
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.unflatten(2, (-1, bs)).unflatten(1, (hkv, -1)).permute(0, 1, 3, 2, 4, 5)
 
 
-def _to_q_blocks(
-    x: torch.Tensor, hkv: int, bs: int, dtype: torch.dtype, scale: float = 1.0
-) -> torch.Tensor:
-    """scale * x, [B, Hq, L, E] -> [B*Hkv*NB, G, Bs, E]: a row holds a GQA group's block."""
-    B, Hq, L, E = x.shape
-    nb = num_blocks(L, bs)
-    out = torch.empty(B * hkv * nb, Hq // hkv, bs, E, dtype=dtype, device=x.device)
-    if L % bs:
-        out[nb - 1 :: nb].zero_()
-    for src, dst in _q_views(x, out, hkv, bs):
-        torch.mul(src, scale, out=dst) if scale != 1.0 else dst.copy_(src)
-    return out
+def _trim(x: torch.Tensor, L: int) -> torch.Tensor:
+    """x [B, H, NB*Bs, ...] -> its first L tokens, contiguous."""
+    return x if x.shape[2] == L else x[:, :, :L].contiguous()
 
 
-def _from_q_blocks(x: torch.Tensor, shape, hkv: int, dtype: torch.dtype, scale: float = 1.0):
-    """Inverse of _to_q_blocks into a new [B, Hq, L, E] = `shape` tensor of `dtype`."""
-    out = torch.empty(shape, dtype=dtype, device=x.device)
-    for dst, src in _q_views(out, x, hkv, x.shape[2]):
-        torch.mul(src, scale, out=dst) if scale != 1.0 else dst.copy_(src)
-    return out
+def _chunk_pairs(per_pair: int, device: torch.device) -> tuple[int, int]:
+    """(block pairs per chunk of rows, most pairs of one row before it is cut).
 
-
-def _chunk_pairs(per_pair: int, device: torch.device) -> int:
-    """Block pairs per batched matmul: _CHUNK_ELEMS scores on CPU, where one thread runs
-    a chunk (`run_split`) and its share should stay cache-sized; much larger on GPUs, where
-    the per-chunk launch and sync overhead dominates."""
-    return max(1, _CHUNK_ELEMS * (1 if device.type == "cpu" else 64) // per_pair)
+    On CPU one thread runs a chunk (`run_split`): _CHUNK_ELEMS scores keep its share
+    cache-sized, while a single row may use up to _ROW_ELEMS because cutting it costs an
+    online-softmax merge per slice. Much larger on GPUs, where the per-chunk launch and
+    sync overhead dominates.
+    """
+    scale = 1 if device.type == "cpu" else 64
+    chunk = max(1, _CHUNK_ELEMS * scale // per_pair)
+    return chunk, max(chunk, _ROW_ELEMS * scale // per_pair)
 
 
 class _Chunk(NamedTuple):
-    """Rows [lo, hi) of the count-sorted order: they keep c key blocks each."""
+    """Query blocks of one (b, kv head h) that keep c key blocks each."""
 
-    lo: int
-    hi: int
+    b: int
+    h: int
     c: int
+    i: torch.Tensor  # [n] query block ids, ascending
+    runs: tuple[tuple[int, int, int], ...]  # (r, i0, i1): rows r.. are blocks i0..i1-1
     krows: torch.Tensor  # [n, c] flat key-block rows (b*Hkv*NB + h*NB + j), contiguous
     idx: torch.Tensor  # [n, c] key block ids j, ascending, the last is the diagonal
     bi: torch.Tensor  # [n] flat (b, i) query block ids (rows of _Masks)
@@ -144,24 +135,24 @@ class _Chunk(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    order: torch.Tensor  # [R] flat rows (b, h, i) sorted by kept count
     chunks: list[_Chunk]
     width: int  # kept pairs per slice: longer rows are cut along their kept list
 
 
 def _plan(table: BlockTable, masks: _Masks, per_pair: int, device: torch.device) -> _Plan:
-    """Rows of equal kept count c, `width // c` rows per chunk, in count-sorted order.
+    """Per (b, h), query blocks of equal kept count c, `chunk // c` blocks per chunk.
 
     Everything per chunk is computed here at once (one host sync for all mask flags), so
     the loops only slice views. Rows whose c alone exceeds `width` come one at a time and
     are cut along their kept list (`_slices`), so every score buffer stays within limit.
     """
-    width = _chunk_pairs(per_pair, device)
+    chunk, width = _chunk_pairs(per_pair, device)
     B, hkv, nb = table.kv_count.shape
     bs = table.block_size
     count = table.kv_count.flatten().long()
-    order = torch.argsort(count, stable=True)
-    counts, sizes = torch.unique_consecutive(count[order], return_counts=True)
+    key = torch.arange(count.numel(), device=count.device) // nb * (count.max() + 1) + count
+    order = torch.argsort(key, stable=True)  # (b, h) first, then count, then i
+    _, sizes = torch.unique_consecutive(key[order], return_counts=True)
     index = table.kv_index.flatten(0, 2).long()[order]  # [R, MAXK]
     i = order % nb
     krows = (order - i)[:, None] + index
@@ -171,34 +162,66 @@ def _plan(table: BlockTable, masks: _Masks, per_pair: int, device: torch.device)
     slot = torch.arange(index.shape[1], device=index.device)
     early = (masks.first_start[bi][:, None] > index * bs) & (slot < count[order][:, None])
     special = (masks.mixed[bi] | early.any(1)).tolist()
+    rows, blocks, counts = order.tolist(), i.tolist(), count[order[sizes.cumsum(0) - 1]]
     chunks, lo = [], 0
     for c, size in zip(counts.tolist(), sizes.tolist(), strict=True):
         kr, ix = krows[lo : lo + size, :c].contiguous(), index[lo : lo + size, :c].contiguous()
-        step = max(1, width // c)
-        for a in range(0, size, step):
-            z = min(size, a + step)
-            plain = not any(special[lo + a : lo + z])
-            chunks.append(_Chunk(lo + a, lo + z, c, kr[a:z], ix[a:z], bi[lo + a : lo + z], plain))
+        b, h = divmod(rows[lo] // nb, hkv)
+        for a in range(lo, lo + size, max(1, chunk // c)):
+            z = min(lo + size, a + max(1, chunk // c))
+            runs = []
+            for r, blk in enumerate(blocks[a:z]):  # maximal runs of consecutive blocks
+                if runs and runs[-1][2] == blk:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([r, blk, blk + 1])
+            plain = not any(special[a:z])
+            ch = _Chunk(
+                b,
+                h,
+                c,
+                i[a:z],
+                tuple(map(tuple, runs)),
+                kr[a - lo : z - lo],
+                ix[a - lo : z - lo],
+                bi[a:z],
+                plain,
+            )
+            chunks.append(ch)
         lo += size
-    return _Plan(order, chunks, width)
+    return _Plan(chunks, width)
 
 
-def _rows_in_order(x: torch.Tensor, hkv: int, bs: int, dtype, order, scale: float = 1.0):
-    """(scale * x as [R, G*Bs, E] rows in `order`, a spare tensor of that shape).
+def _read(src6: torch.Tensor, ch: _Chunk, out: torch.Tensor, scale: float = 1.0):
+    """scale * the chunk's blocks of src6 [B, Hkv, NB, G, Bs, E] into out [n, G*Bs, E]."""
+    src, dst = src6[ch.b, ch.h], out.view(len(ch.i), *src6.shape[3:])
+    for r, i0, i1 in ch.runs:
+        d, x = dst[r : r + i1 - i0], src[i0:i1]
+        if scale == 1.0:
+            d.copy_(x)
+        elif x.dtype == d.dtype:
+            torch.mul(x, scale, out=d)
+        else:  # upcast first, then scale in the work dtype
+            d.copy_(x).mul_(scale)
+    return out
 
-    Fresh multi-MB tensors cost page faults at first touch (~2.6 GB/s), comparable to
-    the copies themselves, so callers reuse the spare (the blocked copy) for outputs.
-    """
-    blk = _to_q_blocks(x, hkv, bs, dtype, scale)
-    blk = blk.view(blk.shape[0], -1, blk.shape[-1])
-    return blk.index_select(0, order), blk
 
-
-def _unsort(x: torch.Tensor, order: torch.Tensor, out: torch.Tensor | None = None):
-    """Rows of x (in `order`) back to row order: one index_select."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=order.device)
-    return torch.index_select(x, 0, inverse, out=out)
+def _write(dst6: torch.Tensor, ch: _Chunk, x: torch.Tensor, scale: float = 1.0, div=None):
+    """x * scale (or x / div) [n, G*Bs, E] into the chunk's blocks of dst6
+    [B, Hkv, NB, G, Bs, E]; fused into one op per run when the dtypes match."""
+    dst, src = dst6[ch.b, ch.h], x.view(len(ch.i), *dst6.shape[3:])
+    if div is not None:
+        div = div.view(len(ch.i), *dst6.shape[3:-1], 1)
+    for r, i0, i1 in ch.runs:
+        d, y = dst[i0:i1], src[r : r + i1 - i0]
+        if div is None and scale == 1.0:
+            d.copy_(y)
+        elif d.dtype != y.dtype:
+            d.copy_(y.div_(div[r : r + i1 - i0]) if div is not None else y.mul_(scale))
+        elif div is not None:
+            torch.div(y, div[r : r + i1 - i0], out=d)
+        else:
+            torch.mul(y, scale, out=d)
 
 
 def _slices(c: int, width: int) -> list[tuple[int, int]]:
@@ -213,7 +236,7 @@ class _Buffers:
     """
 
     def __init__(self, chunks: list[_Chunk], width: int, pair_elems, dtype, device):
-        most = max(((ch.hi - ch.lo) * min(ch.c, width) for ch in chunks), default=0)
+        most = max((len(ch.i) * min(ch.c, width) for ch in chunks), default=0)
         self.flat = [torch.empty(most * e, dtype=dtype, device=device) for e in pair_elems]
 
     def __call__(self, k: int, *shape: int) -> torch.Tensor:
@@ -303,24 +326,25 @@ def block_sparse_forward(
     nb, G = num_blocks(L, bs), Hq // hkv
     check_table(table, B, hkv, L)
     wd = _work_dtype(q.dtype)
-    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [R, Bs, D]
+    kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)  # [B*Hkv*NB, Bs, D]
     masks = _masks(doc_id, nb, bs, wd)
     gb = G * bs
     plan = _plan(table, masks, gb * bs, q.device)
     width = plan.width
-    # R = B*Hkv*NB rows [G*Bs, D], in plan order like out, m and denom
-    qs, out = _rows_in_order(q, hkv, bs, wd, plan.order, scale * _LOG2E)
-    m_all = torch.empty(*qs.shape[:2], 1, dtype=wd, device=q.device)  # base 2
-    denom_all = torch.empty_like(m_all)
+    q6 = _tokens6(q, hkv, bs)
+    out = torch.empty(B, Hq, nb * bs, D, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, nb * bs, 1, dtype=wd, device=q.device)
+    out6, lse6 = _tokens6(out, hkv, bs), _tokens6(lse, hkv, bs)
 
     def scratch() -> _Buffers:
-        return _Buffers(plan.chunks, width, [gb * bs, bs * D, bs * D, gb * D], wd, q.device)
+        sizes = [gb * bs, bs * D, bs * D, gb * D, gb * D, gb * D, gb, gb]
+        return _Buffers(plan.chunks, width, sizes, wd, q.device)
 
     def work(chunks: list[_Chunk], buf: _Buffers) -> None:
         for ch in chunks:
-            n, c = ch.hi - ch.lo, ch.c
-            qb, o = qs[ch.lo : ch.hi], out[ch.lo : ch.hi]
-            m, denom = m_all[ch.lo : ch.hi], denom_all[ch.lo : ch.hi]
+            n, c = len(ch.i), ch.c
+            qb = _read(q6, ch, buf(3, n, gb, D), scale * _LOG2E)
+            o, m, denom = buf(4, n, gb, D), buf(6, n, gb, 1), buf(7, n, gb, 1)
             slices = _slices(c, width)  # one slice unless a row alone is too long
             for s0, s1 in slices:
                 krows = ch.krows[:, s0:s1]
@@ -335,28 +359,31 @@ def block_sparse_forward(
                     torch.sum(p, dim=-1, keepdim=True, out=denom)
                     torch.bmm(p, vb, out=o)
                     continue
-                # Online softmax across slices, as in flash attention. A row may see nothing
-                # in the first slices (m = -inf); it is stabilised with 0 until it does.
-                m_new = s.amax(dim=-1, keepdim=True)
-                if s0 > 0:
-                    m_new = torch.maximum(m, m_new)
-                m_use = m_new.nan_to_num(neginf=0.0)
-                p = s.sub_(m_use).exp2_()
-                if s0 == 0:
-                    torch.sum(p, dim=-1, keepdim=True, out=denom)
-                    torch.bmm(p, vb, out=o)
-                else:
-                    alpha = (m - m_use).exp2_()
-                    denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-                    o.mul_(alpha).add_(torch.bmm(p, vb, out=buf(3, n, gb, D)))
-                m.copy_(m_new)
-            o.div_(denom)
+                _online_softmax_step(s, vb, o, m, denom, s0, buf(5, n, gb, D))
+            _write(out6, ch, o, div=denom)
+            _write(lse6, ch, m.add_(denom.log2_()), scale=math.log(2.0))
 
     run_split(work, plan.chunks, q.device, scratch, parts_per_worker=8)
-    lse = _unsort(m_all.add_(denom_all.log2_()), plan.order).view(-1, G, bs, 1)
-    lse = _from_q_blocks(lse, (B, Hq, L, 1), hkv, wd, math.log(2.0))[..., 0]
-    out = _unsort(out, plan.order, out=qs).view(-1, G, bs, D)  # qs is free now
-    return _from_q_blocks(out, q.shape, hkv, q.dtype), lse
+    return _trim(out, L), _trim(lse, L)[..., 0]
+
+
+def _online_softmax_step(s, vb, o, m, denom, s0: int, tmp) -> None:
+    """Fold slice scores s (base 2) into the running max m, denominator and output o, as
+    in flash attention. A row may see nothing in the first slices (m = -inf); it is
+    stabilised with 0 until it does."""
+    m_new = s.amax(dim=-1, keepdim=True)
+    if s0 > 0:
+        m_new = torch.maximum(m, m_new)
+    m_use = m_new.nan_to_num(neginf=0.0)
+    p = s.sub_(m_use).exp2_()
+    if s0 == 0:
+        torch.sum(p, dim=-1, keepdim=True, out=denom)
+        torch.bmm(p, vb, out=o)
+    else:
+        alpha = (m - m_use).exp2_()
+        denom.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        o.mul_(alpha).add_(torch.bmm(p, vb, out=tmp))
+    m.copy_(m_new)
 
 
 def block_sparse_backward(
@@ -383,28 +410,29 @@ def block_sparse_backward(
     wd = _work_dtype(q.dtype)
     gb = G * bs
     masks = _masks(doc_id, nb, bs, wd)
-    plan = _plan(table, masks, gb * bs, q.device)
+    plan = _plan(table, masks, 2 * gb * bs, q.device)  # two score buffers: p and ds
     width = plan.width
-
-    def rows(x: torch.Tensor, s: float = 1.0):  # [B, Hq, L, E] -> plan order, spare
-        return _rows_in_order(x, hkv, bs, wd, plan.order, s)
-
     delta = torch.linalg.vecdot(grad_out.to(wd), out.to(wd))[..., None]  # rowsum(dO * O)
-    (qs, dq), (dos, _) = rows(q, scale * _LOG2E), rows(grad_out)  # [R, G*Bs, D]; dq: plan order
-    deltas, lses = rows(delta)[0], rows(lse[..., None], _LOG2E)[0]  # [R, G*Bs, 1], lse base 2
+    q6, do6 = _tokens6(q, hkv, bs), _tokens6(grad_out, hkv, bs)
+    delta6, lse6 = _tokens6(delta, hkv, bs), _tokens6(lse[..., None], hkv, bs)
     kblk, vblk = _to_blocks(k, bs, wd), _to_blocks(v, bs, wd)
+    dq = torch.empty(B, Hq, nb * bs, D, dtype=q.dtype, device=q.device)
+    dq6 = _tokens6(dq, hkv, bs)
 
     def scratch() -> _Buffers:
-        sizes = [gb * bs, gb * bs, bs * D, bs * D, gb * D, bs * D, bs * D]
-        return _Buffers(plan.chunks, width, sizes, wd, q.device)
+        sizes = [gb * bs, gb * bs, bs * D, bs * D, gb * D, gb * D, gb, gb, gb * D, gb * D]
+        return _Buffers(plan.chunks, width, sizes + [bs * D, bs * D], wd, q.device)
 
     def work(chunks: list[_Chunk], buf: _Buffers) -> tuple[torch.Tensor, torch.Tensor]:
         """dQ rows of `chunks`, and their dK, dV contributions (summed by the caller)."""
         dk, dv = torch.zeros_like(kblk), torch.zeros_like(vblk)
         for ch in chunks:
-            n, c = ch.hi - ch.lo, ch.c
-            qb, dob, dq_r = qs[ch.lo : ch.hi], dos[ch.lo : ch.hi], dq[ch.lo : ch.hi]
-            lse_r, delta_r = lses[ch.lo : ch.hi], deltas[ch.lo : ch.hi]
+            n, c = len(ch.i), ch.c
+            qb = _read(q6, ch, buf(4, n, gb, D), scale * _LOG2E)
+            dob = _read(do6, ch, buf(5, n, gb, D))
+            lse_r = _read(lse6, ch, buf(6, n, gb, 1), _LOG2E)  # base 2
+            delta_r = _read(delta6, ch, buf(7, n, gb, 1))
+            dq_r = buf(8, n, gb, D)
             for s0, s1 in _slices(c, width):
                 krows = ch.krows[:, s0:s1].flatten()
                 w = s1 - s0
@@ -418,11 +446,12 @@ def block_sparse_backward(
                 if s0 == 0:
                     torch.bmm(ds, kb, out=dq_r)
                 else:
-                    dq_r.add_(torch.bmm(ds, kb, out=buf(4, n, gb, D)))
-                dv_t = torch.bmm(p.transpose(1, 2), dob, out=buf(5, n, w * bs, D))
-                dk_t = torch.bmm(ds.transpose(1, 2), qb, out=buf(6, n, w * bs, D))
+                    dq_r.add_(torch.bmm(ds, kb, out=buf(9, n, gb, D)))
+                dv_t = torch.bmm(p.transpose(1, 2), dob, out=buf(10, n, w * bs, D))
+                dk_t = torch.bmm(ds.transpose(1, 2), qb, out=buf(11, n, w * bs, D))
                 dv.index_add_(0, krows, dv_t.view(n * w, bs, D))
                 dk.index_add_(0, krows, dk_t.view(n * w, bs, D))
+            _write(dq6, ch, dq_r, scale=scale)
         return dk, dv
 
     # 2 parts per worker: some balancing under load, 2*T dK/dV-sized accumulators.
@@ -431,11 +460,9 @@ def block_sparse_backward(
     for dk_w, dv_w in parts[1:]:  # fixed order: deterministic for a given thread count
         dk.add_(dk_w)
         dv.add_(dv_w)
-    dq = _unsort(dq, plan.order, out=dos).view(-1, G, bs, D)  # dos is free now
-    dq = _from_q_blocks(dq, q.shape, hkv, q.dtype, scale)
-    # qs carries scale * log2(e), so dk picks up a factor log2(e) too much.
-    dk = dk.mul_(math.log(2.0)).view(B, hkv, nb * bs, D)[:, :, :L]
-    return dq, dk.to(k.dtype), dv.view(B, hkv, nb * bs, D)[:, :, :L].to(v.dtype)
+    # qb carries scale * log2(e), so dk picks up a factor log2(e) too much.
+    dk, dv = dk.mul_(math.log(2.0)).view(B, hkv, -1, D), dv.view(B, hkv, -1, D)
+    return _trim(dq, L), _trim(dk, L).to(k.dtype), _trim(dv, L).to(v.dtype)
 
 
 class BlockSparseAttention(torch.autograd.Function):
