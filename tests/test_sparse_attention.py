@@ -135,7 +135,7 @@ def test_rows_split_into_slices_match_reference(monkeypatch, policy, budget):
     the forward, accumulated dQ/dK/dV); two blocks per slice here."""
     from sb_titan.attention import block_sparse
 
-    monkeypatch.setattr(block_sparse, "_chunk_pairs", lambda per_pair, device: 2)
+    monkeypatch.setattr(block_sparse, "_chunk_pairs", lambda per_pair, device: (2, 2))
     doc_id = make_doc_id([[40, 300, 200, 110], [100, 10, 30, 510]])
     q, k, v = make_qkv(2, 4, 2, 650, 64, torch.float64)
     table, _ = select_blocks(q, k, doc_id, budget, policy=policy, block_size=64)
@@ -144,6 +144,31 @@ def test_rows_split_into_slices_match_reference(monkeypatch, policy, budget):
     ref = grads(lambda q, k, v: reference_attention(q, k, v, doc_id, table), q, k, v, grad_out)
     got = grads(lambda q, k, v: block_sparse_attention(q, k, v, doc_id, table), q, k, v, grad_out)
     assert_all_close(got, ref, 1e-10)
+
+
+def test_worker_threads_match_reference_and_are_deterministic():
+    """With T > 1 torch threads, chunks run on T single-threaded workers: same results
+    as the reference, bit-identical on repeat, and torch's thread setting untouched."""
+    from sb_titan.attention import workers
+
+    doc_id = make_doc_id(DOCS_650B)
+    q, k, v = make_qkv(2, 7, 1, 650, 64, torch.float64)
+    table, _ = select_blocks(q, k, doc_id, 0.5, policy="mass", block_size=64)
+    grad_out = torch.randn(2, 7, 650, 64, dtype=torch.float64)
+    ref = grads(lambda q, k, v: reference_attention(q, k, v, doc_id, table), q, k, v, grad_out)
+    try:
+        torch.set_num_threads(2)
+        runs = [
+            grads(lambda q, k, v: block_sparse_attention(q, k, v, doc_id, table), *x)
+            for x in [(q, k, v, grad_out)] * 2
+        ]
+        workers = list(workers._pool(2).map(lambda _: torch.get_num_threads(), range(4)))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    assert workers == [1, 1, 1, 1]
+    assert_all_close(runs[0], ref, 1e-10)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def test_lse_is_logsumexp_of_kept_scores():

@@ -143,7 +143,7 @@ def _attention_op(
     if backend == "triton":
         return _kernels().block_sparse_forward_triton(q, k, v, doc_id, table, scale)
     out, lse = block_sparse_forward(q, k, v, doc_id, table, scale)
-    return out, lse.contiguous()
+    return out.contiguous(), lse.contiguous()  # the layout the fake promises
 
 
 @_attention_op.register_fake
@@ -178,7 +178,7 @@ def _attention_backward_op(
             grad_out, q, k, v, out, lse, doc_id, table, scale
         )
     dq, dk, dv = block_sparse_backward(grad_out, q, k, v, out, lse, doc_id, table, scale)
-    return dq, dk.contiguous(), dv.contiguous()
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attention_backward_op.register_fake
