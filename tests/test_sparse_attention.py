@@ -162,13 +162,22 @@ def test_worker_threads_match_reference_and_are_deterministic():
             grads(lambda q, k, v: block_sparse_attention(q, k, v, doc_id, table), *x)
             for x in [(q, k, v, grad_out)] * 2
         ]
-        workers = list(workers._pool(2).map(lambda _: torch.get_num_threads(), range(4)))
+        # Grad mode is per thread: workers must follow the caller's no_grad (L = 640 so
+        # that the workers read q itself, not a padded copy).
+        doc640 = make_doc_id([[300, 340]])
+        q6, k6, v6 = make_qkv(1, 7, 1, 640, 64, torch.float64)
+        t640, _ = select_blocks(q6, k6, doc640, 0.5, policy="mass", block_size=64)
+        with torch.no_grad():
+            out, _ = block_sparse_forward(q6.requires_grad_(), k6, v6, doc640, t640, 0.125)
+        per_worker = list(workers._pool(2).map(lambda _: torch.get_num_threads(), range(4)))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
-    assert workers == [1, 1, 1, 1]
+    assert per_worker == [1, 1, 1, 1]
     assert_all_close(runs[0], ref, 1e-10)
     assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    want = reference_attention(q6.detach(), k6, v6, doc640, t640)
+    torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
 
 
 def test_lse_is_logsumexp_of_kept_scores():

@@ -68,11 +68,13 @@ def run_split(
     if n <= 1:
         return [work(items, scratch())]
     local = threading.local()
+    grad = torch.is_grad_enabled()  # thread-local: workers follow the caller
 
     def run(part: list) -> T:
-        if not hasattr(local, "scratch"):
-            local.scratch = scratch()
-        return work(part, local.scratch)
+        with torch.set_grad_enabled(grad):
+            if not hasattr(local, "scratch"):
+                local.scratch = scratch()
+            return work(part, local.scratch)
 
     P = min(len(items), n * parts_per_worker)
     return list(_pool(n).map(run, [items[p::P] for p in range(P)]))
