@@ -51,10 +51,8 @@ if str(REPO) not in sys.path:
 
 import sb_titan.models.qwen2_5.attention as sb_attention  # noqa: E402
 from sb_titan.attention.estimator import (  # noqa: E402
-    block_mass_from_pooled,
+    block_mass_chunks,
     num_blocks,
-    pool_blocks,
-    pool_query_blocks,
     sink_blocks,
 )
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions  # noqa: E402
@@ -194,13 +192,11 @@ def _fake_selection(q, k, doc_id, block_size: int, beta: float) -> list[torch.Te
     """select_blocks' memory: its real pooling and per-chunk block mass (static shapes),
     the sort buffers of `_select_chunk` as empties, and the table sized analytically."""
     B, Hkv, L, _ = k.shape
-    nb = num_blocks(L, block_size)
-    qp = pool_query_blocks(q, Hkv, block_size)
-    kp = pool_blocks(k, block_size)
     sink = sink_blocks(doc_id, block_size)
-    for start in range(0, nb, SELECTION_CHUNK_BLOCKS):
-        end = min(start + SELECTION_CHUNK_BLOCKS, nb)
-        prob, allowed = block_mass_from_pooled(qp, kp, sink, start, end, 1.0)
+    chunks = block_mass_chunks(
+        q, k, doc_id, sink, block_size=block_size, scale=1.0, chunk_blocks=SELECTION_CHUNK_BLOCKS
+    )
+    for _, prob, allowed in chunks:
         work = [torch.empty_like(prob) for _ in range(3)]  # sort key, sorted mass, cumsum
         work.append(torch.empty(prob.shape, dtype=torch.int64, device=q.device))  # order
         del prob, allowed, work
