@@ -248,9 +248,16 @@ def check_train_variants() -> dict:
     from sb_titan.config.preflight import preflight
     from sb_titan.config.toml import load_config
 
-    os.environ["WORLD_SIZE"] = "1"
-    for extra in TRAIN_VARIANTS.values():
-        preflight(load_config(TRAIN_CONFIG, [*ONE_GPU, *extra]), TRAIN_CONFIG)
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "1"  # preflight checks the step shape for this world size
+    try:
+        for extra in TRAIN_VARIANTS.values():
+            preflight(load_config(TRAIN_CONFIG, [*ONE_GPU, *extra]), TRAIN_CONFIG)
+    finally:
+        if saved is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved
     return {"checked": sorted(TRAIN_VARIANTS)}
 
 
