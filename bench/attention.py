@@ -57,10 +57,11 @@ def flex_block_mask(table: BlockTable, doc_id: torch.Tensor, num_q_heads: int):
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    B, hkv, nb = table.kv_count.shape
+    kv_count, kv_index = table.padded_kv()
+    B, hkv, nb = kv_count.shape
     bs, L = table.block_size, doc_id.shape[1]
-    slot = torch.arange(table.kv_index.shape[-1])
-    idx = torch.where(slot < table.kv_count[..., None], table.kv_index.long(), nb)
+    slot = torch.arange(kv_index.shape[-1])
+    idx = torch.where(slot < kv_count[..., None], kv_index.long(), nb)
     kept = torch.zeros(B, hkv, nb, nb + 1, dtype=torch.bool).scatter_(-1, idx, True)[..., :nb]
     last_tok = (torch.arange(1, nb + 1) * bs).clamp(max=L) - 1
     last_start = token_doc_start(doc_id)[:, last_tok]  # [B, NB] doc start of i's last token

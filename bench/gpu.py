@@ -147,19 +147,15 @@ def _backward_split(q, k, v, doc_id, table, pairs: int, repeats: int, device) ->
     8·Bs²·D per pair), as TFLOP/s of what each kernel executes."""
     from sb_titan_kernels import block_sparse_attn as kern  # the kernels' own stages
 
-    q, k, v, doc_id, tables, bs, scale = kern._prepare(q, k, v, doc_id, table, None)
-    kv_count, kv_index, q_count, q_index = tables
-    out, lse = kern._fwd(q, k, v, doc_id, kv_count, kv_index, bs, scale)
+    p = kern._prepare(q, k, v, doc_id, table, None)
+    bs = p.block_size
+    out, lse = kern._fwd(p)
     do = torch.randn_like(out)
     delta = kern._bwd_preprocess(out, do, bs)
     timed = {
         "preprocess_ms": lambda: kern._bwd_preprocess(out, do, bs),
-        "dq_ms": lambda: kern._bwd_dq(
-            q, k, v, doc_id, kv_count, kv_index, do, lse, delta, bs, scale
-        ),
-        "dkdv_ms": lambda: kern._bwd_dkdv(
-            q, k, v, doc_id, q_count, q_index, do, lse, delta, bs, scale
-        ),
+        "dq_ms": lambda: kern._bwd_dq(p, do, lse, delta),
+        "dkdv_ms": lambda: kern._bwd_dkdv(p, do, lse, delta),
     }
     row = {name: _median_ms(fn, repeats, device) for name, fn in timed.items()}
     if row["dq_ms"] is not None:
@@ -207,9 +203,10 @@ def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
         # Flex takes one pattern per query head (or one for all): repeat each KV head's
         # pattern over its G query heads.
         g = q.shape[1] // k.shape[1]
+        kv_count, kv_index = table.padded_kv()
         mask = flex_block_mask(
-            table.kv_count.repeat_interleave(g, 1),
-            table.kv_index.repeat_interleave(g, 1),
+            kv_count.repeat_interleave(g, 1),
+            kv_index.repeat_interleave(g, 1),
             q.shape[2],
             block,
             mask_mod,

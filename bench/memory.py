@@ -179,13 +179,12 @@ class _FakeAttention(torch.autograd.Function):
 
 def block_table_shapes(batch: int, kv_heads: int, seq_len: int, block_size: int, beta: float):
     """Shapes of the BlockTable select_blocks returns for rows that are one document at
-    budget `beta` (the largest table): kv_index pads to MAXK = ceil(beta * NB) (the last
-    query block's share), q_index to MAXQ = NB (every query block keeps its document's
-    first block; issue 15 makes the transposed table linear in kept pairs)."""
+    `topk` budget `beta`: CSR offsets per block and one flat array of the kept pairs per
+    side, sum over query blocks i of max(ceil(beta * (i + 1)), forced)."""
     nb = num_blocks(seq_len, block_size)
-    maxk = max(1, math.ceil(beta * nb))
-    head = (batch, kv_heads, nb)
-    return {"kv_count": head, "kv_index": (*head, maxk), "q_count": head, "q_index": (*head, nb)}
+    per_row = sum(max(math.ceil(beta * (i + 1) * (1 - 1e-6)), min(i + 1, 2)) for i in range(nb))
+    ptr, flat = (batch, kv_heads, nb + 1), (batch * kv_heads * per_row,)
+    return {"kv_ptr": ptr, "kv_index": flat, "q_ptr": ptr, "q_index": flat}
 
 
 def _fake_selection(q, k, doc_id, block_size: int, beta: float) -> list[torch.Tensor]:
@@ -201,7 +200,11 @@ def _fake_selection(q, k, doc_id, block_size: int, beta: float) -> list[torch.Te
         work.append(torch.empty(prob.shape, dtype=torch.int64, device=q.device))  # order
         del prob, allowed, work
     shapes = block_table_shapes(B, Hkv, L, block_size, beta)
-    return [torch.empty(s, dtype=torch.int32, device=q.device) for s in shapes.values()]
+    dtypes = {"kv_ptr": torch.int64, "q_ptr": torch.int64}
+    return [
+        torch.empty(s, dtype=dtypes.get(name, torch.int32), device=q.device)
+        for name, s in shapes.items()
+    ]
 
 
 @dataclass

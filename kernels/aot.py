@@ -42,8 +42,9 @@ from .common import (
 #: arch name -> (compute capability, max dynamic shared memory per block in bytes)
 ARCHS: dict[str, tuple[int, int]] = {"sm_80": (80, 163 * 1024), "sm_90a": (90, 227 * 1024)}
 
-_INT_PTRS = {"DOC", "KV_COUNT", "KV_INDEX", "Q_COUNT", "Q_INDEX"}
-_F32_PTRS = {"LSE", "DELTA", "QP", "KP", "PROB"}
+_INT_PTRS = {"DOC", "DOC_START", "DOC_END", "KV_INDEX", "Q_INDEX", "ORDER"}
+_I64_PTRS = {"KV_PTR", "Q_PTR", "ITEMS", "SPLITS"}
+_F32_PTRS = {"LSE", "DELTA", "QP", "KP", "PROB", "DK_PART", "DV_PART"}
 _F32_SCALARS = {"qk_scale", "sm_scale"}
 _ALIGNED_SCALARS = {"seq_len"}
 
@@ -100,7 +101,8 @@ def _signature(fn, dtype: str, constexprs: dict[str, object]) -> tuple[dict, dic
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.isupper():
-            kind = "i32" if name in _INT_PTRS else "fp32" if name in _F32_PTRS else dtype
+            kinds = (("i32", _INT_PTRS), ("i64", _I64_PTRS), ("fp32", _F32_PTRS))
+            kind = next((k for k, names in kinds if name in names), dtype)
             sig[name] = "*" + kind
             attrs[(i,)] = aligned
         elif name in _F32_SCALARS:
@@ -119,7 +121,7 @@ def shipped_specs() -> Iterator[KernelSpec]:
         for d in SHIPPED_HEAD_DIMS:
             for bs in SHIPPED_BLOCK_SIZES:
                 tiles = bsa.attn_tiles(torch_dtype, d, bs)
-                attn = dict(HEAD_DIM=d, BLOCK_SIZE=bs, DOT_F32=False)
+                attn = dict(HEAD_DIM=d, BLOCK_SIZE=bs, DOT_F32=False, SCAN=bsa.SCAN)
                 for name, fn, t in (
                     ("fwd", bsa._fwd_kernel, tiles.fwd),
                     ("bwd_dq", bsa._bwd_dq_kernel, tiles.dq),
@@ -127,6 +129,9 @@ def shipped_specs() -> Iterator[KernelSpec]:
                 ):
                     ce = dict(attn, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
                     yield KernelSpec(name, fn, dt, d, bs, t, ce)
+                ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=tiles.dkdv.block_n)
+                t = bsa.REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
+                yield KernelSpec("bwd_dkdv_reduce", bsa._dkdv_reduce_kernel, dt, d, bs, t, ce)
                 t = tiles.preprocess
                 ce = dict(HEAD_DIM=d, BLOCK_M=t.block_m)
                 yield KernelSpec("bwd_preprocess", bsa._bwd_preprocess_kernel, dt, d, bs, t, ce)

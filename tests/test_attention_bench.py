@@ -60,7 +60,8 @@ def test_flex_block_mask_is_the_table_with_documents():
     full = torch.zeros(1, 2, 4, dtype=torch.int32)
     for h in range(2):
         for i in range(4):
-            for j in table.kv_index[0, h, i, : table.kv_count[0, h, i]].tolist():
+            lo, hi = table.kv_ptr[0, h, i : i + 2].tolist()
+            for j in table.kv_index[lo:hi].tolist():
                 full[0, h, i] += j < i and len(set(docs[j * 64 : (i + 1) * 64])) == 1
     assert torch.equal(mask.full_kv_num_blocks, full.repeat_interleave(7, 1))
     assert torch.equal(

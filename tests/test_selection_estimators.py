@@ -208,7 +208,7 @@ def compare(case: SelCase, device: str) -> dict:
         for est in ESTIMATORS:
             table, stats = select_blocks(q, k, doc, torch.tensor(case.budget, device=device),
                                          policy=policy, estimator=est, **kw)  # fmt: skip
-            res[est] = (table.kv_count, table.kv_index, stats)
+            res[est] = (*table.padded_kv(), stats)
         rows, bad, why = mismatches(
             {e: res[e][:2] for e in ESTIMATORS}, p_t, sink.cpu(), 0, case.budget, policy, delta
         )

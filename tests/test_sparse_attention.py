@@ -42,21 +42,21 @@ def make_qkv(B, Hq, Hkv, L, D, dtype=torch.float32, seed=0):
 
 def block_mask(table: BlockTable, nb: int) -> torch.Tensor:
     """[B, Hkv, NB, NB] bool from the kv part of the table."""
-    B, H = table.kv_count.shape[:2]
+    count, index = table.padded_kv()
+    B, H = count.shape[:2]
     mask = torch.zeros(B, H, nb, nb + 1, dtype=torch.bool)
-    slot = torch.arange(table.kv_index.shape[-1])
-    idx = torch.where(slot < table.kv_count[..., None], table.kv_index.long(), nb)
-    mask.scatter_(-1, idx, True)
+    slot = torch.arange(index.shape[-1])
+    mask.scatter_(-1, torch.where(slot < count[..., None], index.long(), nb), True)
     return mask[..., :nb]
 
 
 def block_mask_from_transpose(table: BlockTable, nb: int) -> torch.Tensor:
     """[B, Hkv, NB(query), NB(key)] bool from the q part of the table."""
-    B, H = table.q_count.shape[:2]
+    count, index = table.padded_q()
+    B, H = count.shape[:2]
     mask = torch.zeros(B, H, nb, nb + 1, dtype=torch.bool)  # [key, query]
-    slot = torch.arange(table.q_index.shape[-1])
-    idx = torch.where(slot < table.q_count[..., None], table.q_index.long(), nb)
-    mask.scatter_(-1, idx, True)
+    slot = torch.arange(index.shape[-1])
+    mask.scatter_(-1, torch.where(slot < count[..., None], index.long(), nb), True)
     return mask[..., :nb].transpose(-1, -2)
 
 
@@ -266,8 +266,8 @@ def test_selection_and_stats_match_brute_force(policy):
     table, stats = select_blocks(q, k, doc_id, budget, policy=policy, block_size=64)
     kept, probs, density, recall = brute_force_selection(q, k, doc_id, budget, policy, 64)
     for (b, h, i), ids in kept.items():
-        c = int(table.kv_count[b, h, i])
-        assert table.kv_index[b, h, i, :c].tolist() == ids, (b, h, i)
+        lo, hi = table.kv_ptr[b, h, i : i + 2].tolist()
+        assert table.kv_index[lo:hi].tolist() == ids, (b, h, i)
     torch.testing.assert_close(stats.density, density.float(), atol=1e-6, rtol=0)
     torch.testing.assert_close(stats.recall, recall.float(), atol=1e-5, rtol=0)
     prob, allowed = estimate_block_mass(q, k, doc_id, block_size=64)
@@ -302,17 +302,17 @@ def test_table_invariants(policy, budget):
     nb = 11
     B, H = 2, 2
     assert table.block_size == 64
-    assert table.kv_count.dtype == table.kv_index.dtype == torch.int32
-    assert table.q_count.dtype == table.q_index.dtype == torch.int32
-    assert table.kv_count.shape == table.q_count.shape == (B, H, nb)
-    assert table.kv_index.shape[-1] == int(table.kv_count.max())
-    assert table.q_index.shape[-1] == int(table.q_count.max())
-    for count, index in ((table.kv_count, table.kv_index), (table.q_count, table.q_index)):
-        slot = torch.arange(index.shape[-1])
-        valid = slot < count[..., None]
-        assert (index[~valid] == 0).all()
-        rising = (index[..., 1:] > index[..., :-1]) | ~valid[..., 1:]
-        assert rising.all()
+    assert table.kv_ptr.dtype == table.q_ptr.dtype == torch.int64
+    assert table.kv_index.dtype == table.q_index.dtype == torch.int32
+    assert table.kv_ptr.shape == table.q_ptr.shape == (B, H, nb + 1)
+    # CSR: one flat array per side, exactly the kept pairs, rows contiguous and ascending
+    kept = int(table.kv_count.sum())
+    assert table.kv_index.shape == table.q_index.shape == (kept,)
+    for ptr, index in ((table.kv_ptr, table.kv_index), (table.q_ptr, table.q_index)):
+        bounds = ptr.flatten().tolist()
+        assert bounds[0] == 0 and bounds[-1] == kept
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            assert lo <= hi and index[lo:hi].tolist() == sorted(set(index[lo:hi].tolist()))
     mask = block_mask(table, nb)
     assert torch.equal(mask, block_mask_from_transpose(table, nb))
     assert torch.equal(table.q_count, mask.sum(-2).int())
@@ -348,8 +348,8 @@ def test_mass_is_minimal():
     table, _ = select_blocks(q, k, doc_id, beta, policy="mass", block_size=64)
     prob, _ = estimate_block_mass(q, k, doc_id, block_size=64)
     for i in range(16):
-        c = int(table.kv_count[0, 0, i])
-        ids = table.kv_index[0, 0, i, :c].long()
+        lo, hi = table.kv_ptr[0, 0, i : i + 2].tolist()
+        ids = table.kv_index[lo:hi].long()
         p = prob[0, 0, i, ids]
         forced = (ids == i) | (ids == 0)
         if (~forced).any():
@@ -377,12 +377,12 @@ def random_table(B, H, nb, density, seed=0) -> BlockTable:
     keep = torch.rand(B, H, nb, nb, generator=g) < density
     keep |= torch.eye(nb, dtype=torch.bool)
     keep &= torch.ones(nb, nb, dtype=torch.bool).tril()
-    count = keep.sum(-1).int()
-    index = torch.zeros(B, H, nb, int(count.max()), dtype=torch.int32)
-    for b, h, i in torch.cartesian_prod(torch.arange(B), torch.arange(H), torch.arange(nb)):
-        ids = keep[b, h, i].nonzero().flatten()
-        index[b, h, i, : len(ids)] = ids.int()
-    return BlockTable(count, index, *transpose_table(count, index), 64)
+    ends = keep.sum(-1).flatten().cumsum(0).view(B, H, nb)
+    kv_ptr = torch.cat([torch.zeros(B, H, 1, dtype=torch.int64), ends], -1)
+    previous_end = torch.cat([torch.zeros(1, dtype=torch.int64), ends.flatten(0, 1)[:-1, -1]])
+    kv_ptr[..., 0] = previous_end.view(B, H)
+    kv_index = keep.nonzero()[:, 3].int()  # row-major: (b, h, i) rows, ascending j
+    return BlockTable(kv_ptr, kv_index, *transpose_table(kv_ptr, kv_index), 64)
 
 
 def test_transpose_table_roundtrip():
@@ -457,8 +457,11 @@ def test_bad_arguments_raise_clear_errors():
     no_diag = table._replace(kv_index=torch.zeros_like(table.kv_index))
     with pytest.raises(ValueError, match="end with the diagonal"):
         block_sparse_attention(q, k, v, doc_id, no_diag)
-    bad_transpose = table._replace(q_count=table.q_count + 1)
+    bad_transpose = table._replace(q_index=table.q_index.flip(0))
     with pytest.raises(ValueError, match="not the transpose"):
         block_sparse_attention(q, k, v, doc_id, bad_transpose)
-    with pytest.raises(ValueError, match="table.kv_count must be"):
+    bad_ptr = table._replace(q_ptr=table.q_ptr + 1)
+    with pytest.raises(ValueError, match="not a CSR offset array"):
+        block_sparse_attention(q, k, v, doc_id, bad_ptr)
+    with pytest.raises(ValueError, match="table.kv_ptr must be"):
         block_sparse_attention(q, k[:, :1], v[:, :1], doc_id, table)

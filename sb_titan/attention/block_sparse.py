@@ -147,13 +147,14 @@ def _plan(table: BlockTable, masks: _Masks, per_pair: int, device: torch.device)
     are cut along their kept list (`_slices`), so every score buffer stays within limit.
     """
     chunk, width = _chunk_pairs(per_pair, device)
-    B, hkv, nb = table.kv_count.shape
+    kv_count, kv_index = table.padded_kv()
+    B, hkv, nb = kv_count.shape
     bs = table.block_size
-    count = table.kv_count.flatten().long()
+    count = kv_count.flatten().long()
     key = torch.arange(count.numel(), device=count.device) // nb * (count.max() + 1) + count
     order = torch.argsort(key, stable=True)  # (b, h) first, then count, then i
     _, sizes = torch.unique_consecutive(key[order], return_counts=True)
-    index = table.kv_index.flatten(0, 2).long()[order]  # [R, MAXK]
+    index = kv_index.flatten(0, 2).long()[order]  # [R, MAXK]
     i = order % nb
     krows = (order - i)[:, None] + index
     bi = order // (hkv * nb) * nb + i
@@ -288,17 +289,24 @@ def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) 
     start are allowed and simply masked out.
     """
     nb = num_blocks(seq_len, table.block_size)
-    want = (batch, num_kv_heads, nb)
-    for name in ("kv_count", "q_count"):
+    want = (batch, num_kv_heads, nb + 1)
+    for name in ("kv_ptr", "q_ptr"):
         if tuple(getattr(table, name).shape) != want:
             raise ValueError(
                 f"table.{name} must be {want}, got {tuple(getattr(table, name).shape)}"
             )
-    count, index = table.kv_count.long(), table.kv_index.long()
+    nnz = table.kv_index.numel()
+    for ptr, name in ((table.kv_ptr, "kv"), (table.q_ptr, "q")):
+        starts_ok = int(ptr[0, 0, 0]) == 0 if ptr.numel() else True
+        if not starts_ok or int(ptr[-1, -1, -1]) != nnz or bool((ptr.diff(dim=-1) < 0).any()):
+            raise ValueError(f"table.{name}_ptr is not a CSR offset array over {nnz} pairs")
+        flat = ptr.flatten(0, 1)
+        if not bool((flat[1:, 0] == flat[:-1, -1]).all()):
+            raise ValueError(f"table.{name}_ptr rows are not contiguous")
+    count, index = table.padded_kv()
     if count.numel() == 0:
         return
-    if index.dim() != 4 or index.shape[:3] != want or int(count.max()) > index.shape[-1]:
-        raise ValueError(f"table.kv_index {tuple(index.shape)} does not fit kv_count {want}")
+    count, index = count.long(), index.long()
     if int(count.min()) < 1:
         raise ValueError("every query block must keep at least its diagonal block")
     last = torch.gather(index, -1, (count - 1)[..., None])[..., 0]
@@ -307,9 +315,9 @@ def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) 
     blocks = torch.arange(nb, device=index.device)
     if not bool((last == blocks).all() and rising.all()):
         raise ValueError("kv_index rows must be ascending and end with the diagonal block")
-    q_count, q_index = table.q_count.long(), table.q_index.long()
-    if int(q_count.sum()) != int(count.sum()) or not bool((q_index[..., 0] == blocks).all()):
-        raise ValueError("q_count/q_index are not the transpose of kv_count/kv_index")
+    _, q_index = table.padded_q()
+    if table.q_index.numel() != nnz or not bool((q_index[..., 0] == blocks).all()):
+        raise ValueError("q_ptr/q_index are not the transpose of kv_ptr/kv_index")
 
 
 def block_sparse_forward(

@@ -204,6 +204,6 @@ def _flex(q, k, v, doc_id, scale: float) -> torch.Tensor:
     def mask_mod(b, h, qi, ki):
         return (qi >= ki) & (doc[b, qi] == doc[b, ki])
 
-    mask = flex_block_mask(table.kv_count, table.kv_index, L, GPU_BLOCK_SIZE, mask_mod)
+    mask = flex_block_mask(*table.padded_kv(), L, GPU_BLOCK_SIZE, mask_mod)
     gqa = q.shape[1] != k.shape[1]
     return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

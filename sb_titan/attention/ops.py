@@ -5,8 +5,8 @@ attention does must be traceable. Selection and the PyTorch path are data-depend
 Python (`.tolist()`, tables whose width is known only after selection), and the Triton
 kernels are opaque launches; as custom ops with registered fakes and autograd, both
 enter the graph as single nodes, eager and compiled runs execute the same code, and
-nothing is padded to the row's block count: the table widths leave the selection op as
-unbacked sizes (`MAXK`, `MAXQ`), so the tables stay linear in the kept pairs.
+nothing is padded to the row's block count: the tables are CSR whose length (the kept
+pairs) leaves the selection op as an unbacked size, so they stay linear in the pairs.
 
 Ops (namespace `sb_titan`):
   select_blocks(q, k, doc_id, budget, ...) -> 4 table tensors + density, recall, tokens
@@ -55,19 +55,30 @@ def _select_blocks_op(
 @_select_blocks_op.register_fake
 def _(q, k, doc_id, budget, policy, block_size, scale, estimator):
     B, Hkv, L, _ = k.shape
-    nb = num_blocks(L, block_size)
-    ctx = torch.library.get_ctx()
-    maxk, maxq = ctx.new_dynamic_size(min=1, max=nb), ctx.new_dynamic_size(min=1, max=nb)
-    count = k.new_empty(B, Hkv, nb, dtype=torch.int32)
     row = q.new_empty(B, dtype=torch.float32)
     return (
-        count,
-        k.new_empty(B, Hkv, nb, maxk, dtype=torch.int32),
-        torch.empty_like(count),
-        k.new_empty(B, Hkv, nb, maxq, dtype=torch.int32),
+        *_fake_table(k, B, Hkv, num_blocks(L, block_size)),
         row,
         torch.empty_like(row),
         torch.empty_like(row),
+    )
+
+
+def _fake_table(like: Tensor, batch: int, kv_heads: int, nb: int) -> tuple[Tensor, ...]:
+    """kv_ptr, kv_index, q_ptr, q_index: flat arrays of the kept pairs, an unbacked size
+    between one (diagonal) pair per block and all causal pairs. Both sides hold the same
+    pairs, but each gets its own symbol: with one shared symbol the compiled block read
+    a later output of the selection op in place of another (recall came back as tokens;
+    tests/test_compile.py), so the compiler is not told they are equal."""
+    ctx = torch.library.get_ctx()
+    most = batch * kv_heads * nb * (nb + 1) // 2
+    nnz = [ctx.new_dynamic_size(min=1, max=most) for _ in range(2)]
+    ptr = like.new_empty(batch, kv_heads, nb + 1, dtype=torch.int64)
+    return (
+        ptr,
+        like.new_empty(nnz[0], dtype=torch.int32),
+        torch.empty_like(ptr),
+        like.new_empty(nnz[1], dtype=torch.int32),
     )
 
 
@@ -101,16 +112,7 @@ def _full_table_op(
 @_full_table_op.register_fake
 def _(doc_id, num_kv_heads, block_size):
     B, L = doc_id.shape
-    nb = num_blocks(L, block_size)
-    ctx = torch.library.get_ctx()
-    maxk, maxq = ctx.new_dynamic_size(min=1, max=nb), ctx.new_dynamic_size(min=1, max=nb)
-    count = doc_id.new_empty(B, num_kv_heads, nb, dtype=torch.int32)
-    return (
-        count,
-        doc_id.new_empty(B, num_kv_heads, nb, maxk, dtype=torch.int32),
-        torch.empty_like(count),
-        doc_id.new_empty(B, num_kv_heads, nb, maxq, dtype=torch.int32),
-    )
+    return _fake_table(doc_id, B, num_kv_heads, num_blocks(L, block_size))
 
 
 def full_table(doc_id: Tensor, num_kv_heads: int, block_size: int) -> BlockTable:
@@ -131,15 +133,15 @@ def _attention_op(
     k: Tensor,
     v: Tensor,
     doc_id: Tensor,
-    kv_count: Tensor,
+    kv_ptr: Tensor,
     kv_index: Tensor,
-    q_count: Tensor,
+    q_ptr: Tensor,
     q_index: Tensor,
     block_size: int,
     scale: float,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    table = BlockTable(kv_count, kv_index, q_count, q_index, block_size)
+    table = BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size)
     if backend == "triton":
         return _kernels().block_sparse_forward_triton(q, k, v, doc_id, table, scale)
     out, lse = block_sparse_forward(q, k, v, doc_id, table, scale)
@@ -147,7 +149,7 @@ def _attention_op(
 
 
 @_attention_op.register_fake
-def _(q, k, v, doc_id, kv_count, kv_index, q_count, q_index, block_size, scale, backend):
+def _(q, k, v, doc_id, kv_ptr, kv_index, q_ptr, q_index, block_size, scale, backend):
     B, Hq, L, _ = q.shape
     if backend == "triton":
         return _like_triton_output(q), q.new_empty(B, Hq, L, dtype=torch.float32)
@@ -164,15 +166,15 @@ def _attention_backward_op(
     out: Tensor,
     lse: Tensor,
     doc_id: Tensor,
-    kv_count: Tensor,
+    kv_ptr: Tensor,
     kv_index: Tensor,
-    q_count: Tensor,
+    q_ptr: Tensor,
     q_index: Tensor,
     block_size: int,
     scale: float,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    table = BlockTable(kv_count, kv_index, q_count, q_index, block_size)
+    table = BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size)
     if backend == "triton":
         return _kernels().block_sparse_backward_triton(
             grad_out, q, k, v, out, lse, doc_id, table, scale
@@ -182,7 +184,7 @@ def _attention_backward_op(
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, doc_id, kv_count, kv_index, q_count, q_index, *args):
+def _(grad_out, q, k, v, out, lse, doc_id, kv_ptr, kv_index, q_ptr, q_index, *args):
     backend = args[-1]
     if backend == "triton":
         return _like_triton_output(q), _like_triton_output(k), _like_triton_output(v)

@@ -8,9 +8,15 @@ forced blocks) whose mass reaches beta. Query blocks are processed `chunk_blocks
 time, so the budget can change every micro-batch without recompilation and peak extra
 memory stays O(chunk * NB).
 
-The table (`BlockTable`) is the contract with the Triton kernels:
-  kv_count [B, Hkv, NB] int32, kv_index [B, Hkv, NB, MAXK] int32 (ascending, 0-padded),
-  q_count [B, Hkv, NB] int32, q_index [B, Hkv, NB, MAXQ] int32 (the transpose),
+The table (`BlockTable`) is the contract with the kernels: two CSR matrices over the
+kept block pairs, so every table is linear in the pairs it keeps (4 bytes per pair and
+side, plus 8 bytes per block of offsets). A padded layout is not: every query block
+keeps its document's first (sink) block, so the transposed side would be NB wide, and
+one long document among short ones widens every row of the forward side.
+  kv_ptr [B, Hkv, NB + 1] int64: offsets into kv_index, global over the flat array,
+  kv_index [nnz] int32: per (b, h, query block i), its kept key blocks, ascending,
+  q_ptr [B, Hkv, NB + 1] int64, q_index [nnz] int32: the transpose (per key block j,
+    the query blocks that kept it, ascending),
   block_size: python int (also NB = ceil(L / block_size)).
 """
 
@@ -34,11 +40,54 @@ TOPK_SLACK = 1e-6  # ceil(beta * n * (1 - slack)): beta=0.1 stored in fp32 keeps
 
 
 class BlockTable(NamedTuple):
-    kv_count: torch.Tensor  # [B, Hkv, NB] int32: key blocks kept per query block
-    kv_index: torch.Tensor  # [B, Hkv, NB, MAXK] int32: their ids, ascending, 0-padded
-    q_count: torch.Tensor  # [B, Hkv, NB] int32: query blocks that kept each key block
-    q_index: torch.Tensor  # [B, Hkv, NB, MAXQ] int32: their ids, ascending, 0-padded
+    kv_ptr: torch.Tensor  # [B, Hkv, NB + 1] int64: CSR offsets of each query block's row
+    kv_index: torch.Tensor  # [nnz] int32: kept key block ids, ascending per row
+    q_ptr: torch.Tensor  # [B, Hkv, NB + 1] int64: CSR offsets of each key block's column
+    q_index: torch.Tensor  # [nnz] int32: query blocks that kept it, ascending
     block_size: int
+
+    @property
+    def kv_count(self) -> torch.Tensor:
+        """[B, Hkv, NB] int32: key blocks kept per query block."""
+        return self.kv_ptr.diff(dim=-1).to(torch.int32)
+
+    @property
+    def q_count(self) -> torch.Tensor:
+        """[B, Hkv, NB] int32: query blocks that kept each key block."""
+        return self.q_ptr.diff(dim=-1).to(torch.int32)
+
+    def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_count, kv_index [B, Hkv, NB, MAXK] int32 0-padded): the row-padded form
+        (FlexAttention's BlockMask, the PyTorch path's chunk plan)."""
+        return self.kv_count, csr_to_padded(self.kv_ptr, self.kv_index)
+
+    def padded_q(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_count, q_index [B, Hkv, NB, MAXQ] int32 0-padded): the transposed side."""
+        return self.q_count, csr_to_padded(self.q_ptr, self.q_index)
+
+
+def csr_to_padded(ptr: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[..., NB + 1] offsets + flat ids -> [..., NB, max count] int32, 0-padded."""
+    count = ptr.diff(dim=-1)
+    width = int(count.max()) if count.numel() else 0
+    slot = torch.arange(width, device=ptr.device)
+    live = slot < count[..., None]
+    pos = torch.where(live, ptr[..., :-1, None] + slot, 0)
+    if index.numel() == 0:
+        return torch.zeros(live.shape, dtype=torch.int32, device=ptr.device)
+    return torch.where(live, index[pos], 0).to(torch.int32)
+
+
+def padded_to_csr(count: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., NB] counts + [..., NB, W] padded ids -> (ptr [..., NB + 1] int64, flat int32)."""
+    live = torch.arange(index.shape[-1], device=index.device) < count[..., None]
+    return counts_to_ptr(count), index[live].to(torch.int32)
+
+
+def counts_to_ptr(count: torch.Tensor) -> torch.Tensor:
+    """[..., NB] counts -> [..., NB + 1] int64 offsets, global over the flat array."""
+    ends = torch.cumsum(count.flatten().long(), 0).view(count.shape)
+    return torch.cat([(ends - count)[..., :1], ends], dim=-1)
 
 
 class AttnStats(NamedTuple):
@@ -74,28 +123,23 @@ def attending_tokens(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def transpose_table(
-    kv_count: torch.Tensor, kv_index: torch.Tensor
+    kv_ptr: torch.Tensor, kv_index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_count, q_index) of a (kv_count, kv_index) table, by one sort of its entries.
+    """(q_ptr, q_index) of a (kv_ptr, kv_index) CSR table, by one sort of its entries.
 
     Memory and work are O(kept pairs); nothing of size NB^2 is allocated.
     """
-    B, H, nb = kv_count.shape
-    maxk = kv_index.shape[-1]
-    dev = kv_count.device
-    valid = torch.arange(maxk, device=dev) < kv_count[..., None].long()
-    b, h, i, slot = valid.nonzero(as_tuple=True)
-    j = kv_index[b, h, i, slot].long()
-    key_block = (b * H + h) * nb + j  # flat (b, h, j) of each kept pair
+    B, H, nb1 = kv_ptr.shape
+    nb = nb1 - 1
+    count = kv_ptr.diff(dim=-1).flatten()
+    row = torch.repeat_interleave(
+        torch.arange(count.numel(), device=kv_ptr.device), count, output_size=kv_index.numel()
+    )  # flat (b, h, i) of each kept pair
+    i = row % nb
+    key_block = row - i + kv_index.long()  # flat (b, h, j)
     order = torch.argsort(key_block * nb + i, stable=True)  # by (b, h, j), then i
-    key_block, i = key_block[order], i[order]
-    q_count = torch.bincount(key_block, minlength=B * H * nb)
-    maxq = int(q_count.max()) if key_block.numel() else 0
-    group_start = torch.cumsum(q_count, 0) - q_count
-    rank = torch.arange(key_block.numel(), device=dev) - group_start[key_block]
-    q_index = torch.zeros(B * H * nb, maxq, dtype=torch.int32, device=dev)
-    q_index[key_block, rank] = i.to(torch.int32)
-    return q_count.view(B, H, nb).to(torch.int32), q_index.view(B, H, nb, maxq)
+    q_count = torch.bincount(key_block, minlength=B * H * nb).view(B, H, nb)
+    return counts_to_ptr(q_count), i[order].to(torch.int32)
 
 
 def full_block_table(doc_id: torch.Tensor, num_kv_heads: int, block_size: int) -> BlockTable:
@@ -104,8 +148,8 @@ def full_block_table(doc_id: torch.Tensor, num_kv_heads: int, block_size: int) -
     With it the block-sparse kernels compute dense document-causal attention without a
     token x token mask. Built from the per-block sink alone: key block j is kept by the
     contiguous query blocks [j, last(j)], last(j) = the last i with sink(i) <= j (sink
-    is non-decreasing). Memory is the padded table itself, NB x the longest row per kv
-    head (about 2x the kept pairs for one document), with no NB x NB mask on the way.
+    is non-decreasing). Both sides are ranges, written straight into CSR form: memory
+    is the kept pairs, with no NB x NB mask on the way.
     """
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size}")
@@ -115,23 +159,23 @@ def full_block_table(doc_id: torch.Tensor, num_kv_heads: int, block_size: int) -
     nb = num_blocks(L, block_size)
     sink = sink_blocks(doc_id, block_size)  # [B, NB] int64, non-decreasing
     blocks = torch.arange(nb, device=doc_id.device).expand(B, nb)
-    kv_count = blocks - sink + 1
     last = torch.searchsorted(sink, blocks.contiguous(), right=True) - 1
-    q_count = last - blocks + 1
 
     def heads(x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.int32)[:, None].expand(B, num_kv_heads, *x.shape[1:]).contiguous()
+        return x[:, None].expand(B, num_kv_heads, nb)
 
-    kv_index = _ranges(sink, kv_count)
-    q_index = _ranges(blocks, q_count)
-    return BlockTable(heads(kv_count), heads(kv_index), heads(q_count), heads(q_index), block_size)
+    kv_ptr, kv_index = _csr_ranges(heads(sink), heads(blocks - sink + 1))
+    q_ptr, q_index = _csr_ranges(heads(blocks), heads(last - blocks + 1))
+    return BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size)
 
 
-def _ranges(first: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """[B, NB, max count] int64: first, first+1, ... (count entries), then 0-padded."""
-    width = int(count.max()) if count.numel() else 0
-    slot = torch.arange(width, device=first.device)
-    return torch.where(slot < count[..., None], first[..., None] + slot, 0)
+def _csr_ranges(first: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR of rows first, first+1, ... (count entries each): (ptr int64, flat int32)."""
+    ptr = counts_to_ptr(count)
+    total = int(ptr[..., -1].max()) if ptr.numel() else 0
+    row_first = (first.flatten() - ptr[..., :-1].flatten()).long()
+    per_entry = torch.repeat_interleave(row_first, count.flatten(), output_size=total)
+    return ptr, (per_entry + torch.arange(total, device=first.device)).to(torch.int32)
 
 
 def _validate(
@@ -250,9 +294,10 @@ def select_blocks(
         masses.append(m)
     kv_count = torch.cat(counts, dim=2)
     maxk = max(x.shape[-1] for x in ids)
-    kv_index = torch.cat([torch.nn.functional.pad(x, (0, maxk - x.shape[-1])) for x in ids], 2)
-    kv_count, kv_index = kv_count.to(torch.int32), kv_index.to(torch.int32)
-    q_count, q_index = transpose_table(kv_count, kv_index)
+    padded = torch.cat([torch.nn.functional.pad(x, (0, maxk - x.shape[-1])) for x in ids], 2)
+    kv_ptr, kv_index = padded_to_csr(kv_count, padded)
+    del padded
+    q_ptr, q_index = transpose_table(kv_ptr, kv_index)
     n_allowed = (torch.arange(nb, device=q.device) - sink + 1).sum(-1) * Hkv  # [B]
     weight = attending_tokens(doc_id, block_size)  # [B, NB]
     tokens = weight.sum(-1)
@@ -262,4 +307,4 @@ def select_blocks(
         recall=torch.where(tokens > 0, kept / tokens.clamp(min=1), 1.0).float(),
         tokens=tokens,
     )
-    return BlockTable(kv_count, kv_index, q_count, q_index, block_size), stats
+    return BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size), stats
