@@ -30,9 +30,9 @@ from sb_titan.attention.dense import (
     cu_seqlens,
     dense_document_attention,
     device_support,
-    flex_block_mask,
     varlen_kwargs,
 )
+from sb_titan.attention.flex import block_mask
 from sb_titan.attention.layout import doc_lens_from_doc_id, document_causal_mask
 from sb_titan.attention.selection import full_block_table, select_blocks, transpose_table
 
@@ -111,13 +111,13 @@ def test_flex_path_matches_reference_forward():
 
 
 def test_flex_block_mask_is_the_table():
-    """flex_block_mask on a selected table (MAXK < NB, L not a block multiple) keeps
-    exactly the table's block pairs (Flex's own transpose included)."""
+    """attention/flex.py's block_mask on a selected table (MAXK < NB, L not a block
+    multiple) keeps exactly the table's block pairs (Flex's own transpose included)."""
     doc_id = make_doc_id(ROWS)
     q, k, _ = (t.detach() for t in inputs(3, 4, 2, 650, 32, torch.float32))
     table, _ = select_blocks(q, k, doc_id, 0.3, policy="topk", block_size=64)
     assert table.kv_index.shape[-1] < 11
-    mask = flex_block_mask(table.kv_count, table.kv_index, 650, 64, None)
+    mask = block_mask(table, doc_id, num_q_heads=2)
     slot = torch.arange(table.kv_index.shape[-1])
     want = torch.zeros(3, 2, 11, 12, dtype=torch.bool)
     want.scatter_(
@@ -125,7 +125,7 @@ def test_flex_block_mask_is_the_table():
     )
     assert torch.equal(mask.to_dense().bool(), want[..., :11])
     assert mask.seq_lengths == (650, 650)
-    assert torch.equal(mask.q_num_blocks, table.q_count)
+    assert torch.equal(mask.q_num_blocks + mask.full_q_num_blocks, table.q_count)
 
 
 def test_triton_path_in_interpreter():
