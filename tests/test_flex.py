@@ -15,7 +15,7 @@ import torch
 from sb_titan_kernels.block_sparse_attn import block_sparse_attention_ref
 from test_sparse_attention import make_doc_id
 
-from sb_titan.attention.flex import block_mask, flex_attention
+from sb_titan.attention.flex import _INDEX_ATTRS, block_mask, block_mask_bytes, flex_attention
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import select_blocks
 from sb_titan.attention.sparse import resolve_backend, sparse_attention
@@ -94,6 +94,8 @@ def test_flex_forward_matches_fp64_reference_on_real_tables(hq, hkv, block):
         assert torch.equal(total, table.kv_count.repeat_interleave(g, 1)), key
         q_total = mask.q_num_blocks + mask.full_q_num_blocks  # Flex's own transpose
         assert torch.equal(q_total, table.q_count.repeat_interleave(g, 1)), key
+        index = [getattr(mask, n) for n in _INDEX_ATTRS]
+        assert sum(t.nbytes for t in index) == block_mask_bytes(3, hq, hkv, L, block)
         with torch.no_grad():
             got = flex_attention(q, k, v, doc_id, table, SCALE)
         want = block_sparse_attention_ref(q, k, v, doc_id, table, SCALE)  # fp64 inside

@@ -104,6 +104,15 @@ _INDEX_ATTRS = (
 )
 
 
+def block_mask_bytes(rows: int, q_heads: int, kv_heads: int, seq_len: int, block: int) -> int:
+    """Bytes of the index tensors `block_mask` returns for these shapes (what the
+    docs' memory table lists): per row and mask head, 4 [NB, NB] int32 index tensors
+    (partial/full x kv/q side) and 4 [NB] int32 counts, whatever the density."""
+    nb = -(-seq_len // block)
+    heads = 1 if kv_heads == 1 else q_heads
+    return rows * heads * 4 * (nb * nb + nb) * 4
+
+
 def _ordered(keep: Tensor, kv_index: Tensor, nb: int) -> tuple[Tensor, Tensor]:
     """(count [.., NB] int32, ids [.., NB, NB] int32): the entries of `kv_index` where
     `keep`, still ascending, first in each row, 0-padded to NB columns (Flex's format)."""
