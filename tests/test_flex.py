@@ -141,3 +141,21 @@ def test_flex_inside_a_compiled_block_matches_eager():
     (eager, eager_stats), (comp, comp_stats) = outs
     torch.testing.assert_close(comp, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(comp_stats, eager_stats)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Flex's backward")
+@pytest.mark.parametrize("hq,hkv,block", [(4, 2, 64), (7, 1, 128)])
+def test_flex_forward_and_backward_on_cuda_match_fp64_reference(hq, hkv, block):
+    doc_id = make_doc_id(ROWS).cuda()
+    q, k, v = (t.cuda() for t in _qkv(hq, hkv))
+    table, _ = select_blocks(q, k, doc_id, 0.5, policy="mass", block_size=block)
+    grad = torch.randn_like(q)
+    results = []
+    for fn, dtype in ((flex_attention, torch.float32), (block_sparse_attention_ref, None)):
+        xs = [t.detach().to(dtype or torch.float64).requires_grad_() for t in (q, k, v)]
+        out = fn(*xs, doc_id, table, SCALE)
+        out.backward(grad.to(out.dtype))
+        results.append([out.detach().double()] + [x.grad.double() for x in xs])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+        err = float((got - want).abs().max())
+        assert err < 2e-3, f"{name}: max abs error {err:.3g}"  # fp32 (TF32 allowed)
