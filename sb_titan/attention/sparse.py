@@ -4,6 +4,8 @@ One entry point for the model: the pattern is chosen per call (so per micro-batc
 budget changes cost nothing), selection is not differentiated, and the attention runs
 on the Triton kernels for CUDA tensors or on the PyTorch path otherwise. Both steps are
 custom ops (attention/ops.py), so a compiled block traces them as two graph nodes.
+`backend="flex"` attends over the same table with compiled FlexAttention instead
+(attention/flex.py; forward only off CUDA).
 """
 
 from __future__ import annotations
