@@ -9,9 +9,9 @@ the timings. Variants:
   block_sparse_cpu  sb_titan.attention.block_sparse per (block size, density): fwd and
                     fwd+bwd
   flex_cpu          torch.compile(flex_attention) on a BlockMask of the SAME block table
-                    (kept pairs the document-causal mask leaves whole are "full" blocks,
-                    the rest get a document-causal mask_mod): fwd only, FlexAttention
-                    has no CPU backward. Its output is checked against ours.
+                    (sb_titan.attention.flex.block_mask: kept pairs inside one document
+                    are "full" blocks, the rest get a document-causal mask_mod): fwd
+                    only, FlexAttention has no CPU backward. Checked against ours.
 
 For each (L, threads) all variants run round-robin, `--repeats` rounds after one
 warm-up (Flex compiles there), and each time is the median over rounds: the ratios come
@@ -38,54 +38,13 @@ import torch
 import torch.nn.functional as F
 
 from sb_titan.attention.block_sparse import block_sparse_forward
-from sb_titan.attention.estimator import token_doc_start
+from sb_titan.attention.flex import block_mask, compiled_flex_attention
 from sb_titan.attention.ops import block_sparse_attention
-from sb_titan.attention.selection import BlockTable, select_blocks
+from sb_titan.attention.selection import select_blocks
 
 HQ, HKV, HEAD_DIM = 14, 2, 64
 RESULTS = Path(__file__).parent / "results"
 FLEX_TOL = 1e-5  # max abs difference of Flex's fp32 output from ours
-
-
-def flex_block_mask(table: BlockTable, doc_id: torch.Tensor, num_q_heads: int):
-    """A FlexAttention BlockMask holding exactly the block pairs of `table`.
-
-    A kept pair (query block i, key block j < i) whose tokens all lie in one document is
-    a full block (Flex skips mask_mod there); the diagonal and pairs across a document
-    start are partial blocks with the document-causal mask_mod. Flex takes one pattern
-    per query head, so each kv head's rows are repeated over its query heads.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    kv_count, kv_index = table.padded_kv()
-    B, hkv, nb = kv_count.shape
-    bs, L = table.block_size, doc_id.shape[1]
-    slot = torch.arange(kv_index.shape[-1])
-    idx = torch.where(slot < kv_count[..., None], kv_index.long(), nb)
-    kept = torch.zeros(B, hkv, nb, nb + 1, dtype=torch.bool).scatter_(-1, idx, True)[..., :nb]
-    last_tok = (torch.arange(1, nb + 1) * bs).clamp(max=L) - 1
-    last_start = token_doc_start(doc_id)[:, last_tok]  # [B, NB] doc start of i's last token
-    j = torch.arange(nb)
-    whole = (j[None, None, :] < j[None, :, None]) & (last_start[:, :, None] <= j * bs)
-    full = kept & whole[:, None]
-
-    def compact(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m = m.repeat_interleave(num_q_heads // hkv, dim=1)
-        order = torch.argsort((~m).to(torch.uint8), dim=-1, stable=True)  # kept ids first
-        return m.sum(-1, dtype=torch.int32), order.to(torch.int32)
-
-    ids = doc_id
-
-    def document_causal(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
-
-    return BlockMask.from_kv_blocks(
-        *compact(kept & ~full),
-        *compact(full),
-        BLOCK_SIZE=bs,
-        mask_mod=document_causal,
-        seq_lengths=(L, L),
-    )
 
 
 def _round_robin(steps: dict[str, Callable], repeats: int) -> dict[str, tuple[float, float]]:
@@ -127,10 +86,8 @@ def _sdpa(q, k, v):
 def _flex_peer(q, k, v, doc_id, table, ours: torch.Tensor) -> tuple[Callable | None, dict]:
     """(forward step, facts) of compiled Flex on `table`; facts hold the error if any."""
     try:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        mask = flex_block_mask(table, doc_id, q.shape[1])
-        flex = torch.compile(flex_attention, dynamic=False)
+        mask = block_mask(table, doc_id, q.shape[1])
+        flex = compiled_flex_attention()
         qd, kd, vd = (x.detach() for x in (q, k, v))
 
         def step():

@@ -5,12 +5,14 @@
 
 (a) correctness: the Triton block-sparse forward and backward against the recipe's
     PyTorch path (sb_titan.attention.block_sparse, fp32) on the same block table, from
-    real `topk` selection, GQA 7:1, L in {8K, 32K, 128K}, block sizes 64 and 128.
+    real `topk` selection, GQA 7:1, L in {8K, 32K, 128K}, block sizes 64 and 128; the
+    `flex` backend (sb_titan.attention.flex) likewise (forward only off CUDA).
 (b) speed: forward and forward+backward of the Triton kernels at densities 1, 0.5, 0.25
     and 0.1, as TFLOP/s per computed block pair (4·Bs²·D per pair forward, 10·Bs²·D
     backward with recomputation), beside dense document-masked attention (the recipe's
     dense path, `dense_kernel` names it: varlen flash where torch has it, no L x L mask)
-    and FlexAttention on the same block table, in one run, CUDA events, median of
+    and FlexAttention on the same block table (the `flex` backend: its BlockMask build,
+    forward and forward+backward), in one run, CUDA events, median of
     repeats after warm-up. The backward's kernels are also timed one by one:
     preprocess (GB/s), dQ and dK/dV (TFLOP/s of the work each executes, recomputation
     included).
@@ -72,25 +74,41 @@ def _table(q, k, doc_id, density: float, block: int):
 
 
 def check(L: int, heads, block: int, density: float, dtype, device) -> dict:
-    """(a): max abs error of out, dq, dk, dv against the PyTorch path in fp32."""
+    """(a): max abs error of out, dq, dk, dv against the PyTorch path in fp32, for the
+    Triton kernels and for the `flex` backend (out only off CUDA: no CPU backward)."""
     from sb_titan_kernels import block_sparse_attention_triton
 
+    from sb_titan.attention.flex import flex_attention
     from sb_titan.attention.ops import block_sparse_attention
 
     (q, k, v), doc_id = _inputs(L, heads, dtype, device)
     table, realised = _table(q.float(), k.float(), doc_id, density, block)
     grad = torch.randn_like(q)
-    errors = {}
+    names = ("out", "dq", "dk", "dv")
     results = []
     for fn, cast in ((block_sparse_attention_triton, dtype), (block_sparse_attention, None)):
         xs = [t.detach().to(cast or torch.float32).requires_grad_() for t in (q, k, v)]
         out = fn(*xs, doc_id, table)
         out.backward(grad.to(out.dtype))
         results.append([out.detach().float()] + [x.grad.float() for x in xs])
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
-        errors[name] = float((a - b).abs().max())
-    ok = max(errors.values()) <= TOLERANCE[dtype]
-    return {"realised_density": realised, "max_abs_error": errors, "ok": ok}
+    errors = {n: float((a - b).abs().max()) for n, a, b in zip(names, *results, strict=True)}
+    row = {"realised_density": realised, "max_abs_error": errors}
+    row["ok"] = max(errors.values()) <= TOLERANCE[dtype]
+    try:
+        backward = device.type == "cuda"
+        xs = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+        with torch.set_grad_enabled(backward):
+            out = flex_attention(*xs, doc_id, table)
+        flex = [out.detach().float()]
+        if backward:
+            out.backward(grad.to(out.dtype))
+            flex += [x.grad.float() for x in xs]
+        pairs = zip(names[: len(flex)], flex, results[1][: len(flex)], strict=True)
+        row["flex_max_abs_error"] = {n: float((a - b).abs().max()) for n, a, b in pairs}
+        row["flex_ok"] = max(row["flex_max_abs_error"].values()) <= TOLERANCE[dtype]
+    except Exception as e:  # report, do not hide: the Triton check still stands
+        row["flex_error"], row["flex_ok"] = f"{type(e).__name__}: {e}"[:300], False
+    return row
 
 
 def _median_ms(fn, repeats: int, device) -> float | None:
@@ -176,7 +194,6 @@ def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
         choose_dense_kernel,
         dense_document_attention,
         device_support,
-        flex_block_mask,
     )
 
     out["dense_kernel"] = choose_dense_kernel("cuda", q.dtype, q.shape[-1], device_support(device))
@@ -192,29 +209,24 @@ def _peers(q, k, v, doc_id, table, block: int, repeats: int, device) -> dict:
 
     out["dense_fwd_ms"] = _median_ms(dense_fwd, repeats, device)
     out["dense_fwd_bwd_ms"] = _median_ms(dense_fwd_bwd, repeats, device)
-    try:
-        from torch.nn.attention.flex_attention import flex_attention
+    try:  # the `flex` backend's pieces: BlockMask from the table, then compiled Flex
+        from sb_titan.attention.flex import block_mask, compiled_flex_attention
 
-        ids = doc_id[0]
+        flex = compiled_flex_attention()
+        mask = block_mask(table, doc_id, q.shape[1])
 
-        def mask_mod(b, h, qi, ki):
-            return (qi >= ki) & (ids[qi] == ids[ki])
+        def flex_fwd():
+            with torch.no_grad():
+                flex(q, k, v, block_mask=mask, enable_gqa=True)
 
-        # Flex takes one pattern per query head (or one for all): repeat each KV head's
-        # pattern over its G query heads.
-        g = q.shape[1] // k.shape[1]
-        kv_count, kv_index = table.padded_kv()
-        mask = flex_block_mask(
-            kv_count.repeat_interleave(g, 1),
-            kv_index.repeat_interleave(g, 1),
-            q.shape[2],
-            block,
-            mask_mod,
-        )
-        flex = torch.compile(flex_attention)
-        out["flex_fwd_ms"] = _median_ms(
-            lambda: flex(q, k, v, block_mask=mask, enable_gqa=True), repeats, device
-        )
+        def flex_fwd_bwd():
+            o = flex(qg, kg, vg, block_mask=mask, enable_gqa=True)
+            o.backward(torch.ones_like(o))
+
+        build = lambda: block_mask(table, doc_id, q.shape[1])  # noqa: E731
+        out["flex_mask_ms"] = _median_ms(build, repeats, device)
+        out["flex_fwd_ms"] = _median_ms(flex_fwd, repeats, device)
+        out["flex_fwd_bwd_ms"] = _median_ms(flex_fwd_bwd, repeats, device)
     except Exception as e:  # report, do not hide: Flex is a peer, not the subject
         out["flex_error"] = f"{type(e).__name__}: {e}"[:300]
     return out
@@ -234,6 +246,7 @@ TRAIN_VARIANTS = {
     "dense": ["--sparse_attention.no-enabled"],
     "sparse_compiled": ["--compile.enable"],
     "dense_compiled": ["--sparse_attention.no-enabled", "--compile.enable"],
+    "sparse_flex": ["--sparse_attention.backend", "flex"],
 }
 
 
@@ -332,21 +345,24 @@ def markdown(report: dict) -> str:
     if "correctness" in report:
         lines += [
             "",
-            "| L | heads | block | dtype | density | max abs error (out, dq, dk, dv) | ok |",
+            "| L | heads | block | dtype | density | max abs error (out, dq, dk, dv) | ok | "
+            "Flex max abs error | Flex ok |",
         ]
-        lines += ["|---|---|---|---|---|---|---|"]
+        lines += ["|---|---|---|---|---|---|---|---|---|"]
         for r in report["correctness"]:
-            e = r["max_abs_error"]
+            e, f = r["max_abs_error"], r.get("flex_max_abs_error", {})
             err = ", ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv"))
+            flex = ", ".join(f"{f[k]:.1e}" for k in f) or r.get("flex_error", "-")
             lines.append(
                 f"| {r['L']} | {r['heads']} | {r['block']} | {r['dtype']} | "
-                f"{r['realised_density']:.3f} | {err} | {r['ok']} |"
+                f"{r['realised_density']:.3f} | {err} | {r['ok']} | {flex} | {r['flex_ok']} |"
             )
     if "speed" in report:
         lines += ["", "| L | heads | block | density | fwd ms | fwd+bwd ms | fwd TFLOP/s | "]
         lines[-1] += "bwd TFLOP/s | dQ TFLOP/s | dK/dV TFLOP/s | preprocess GB/s | "
-        lines[-1] += "dense doc fwd ms | dense doc fwd+bwd ms | Flex fwd ms |"
-        lines += ["|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines[-1] += "dense doc fwd ms | dense doc fwd+bwd ms | Flex mask ms | Flex fwd ms | "
+        lines[-1] += "Flex fwd+bwd ms |"
+        lines += ["|---" * 16 + "|"]
         fmt = lambda x: "-" if x is None else f"{x:.3g}"  # noqa: E731
         for r in report["speed"]:
             lines.append(
@@ -363,7 +379,9 @@ def markdown(report: dict) -> str:
                         "preprocess_gb_per_s",
                         "dense_fwd_ms",
                         "dense_fwd_bwd_ms",
+                        "flex_mask_ms",
                         "flex_fwd_ms",
+                        "flex_fwd_bwd_ms",
                     )
                 )
                 + " |"
@@ -391,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"gpu_{name}.json"
     path.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"wrote {path}")
-    failed = [r for r in report.get("correctness", []) if not r["ok"]]
+    failed = [r for r in report.get("correctness", []) if not (r["ok"] and r["flex_ok"])]
     return 1 if failed else 0
 
 

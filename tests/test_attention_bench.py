@@ -14,6 +14,7 @@ from conftest import REPO, cpu_env
 from test_sparse_attention import make_doc_id, make_qkv, random_table, reference_attention
 
 from sb_titan.attention.block_sparse import block_sparse_forward
+from sb_titan.attention.flex import block_mask
 
 if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
     pytest.skip("FlexAttention on CPU needs torch >= 2.6", allow_module_level=True)
@@ -50,12 +51,12 @@ def test_dry_run_reports_flex_beside_dense_and_ours(tmp_path):
 
 def test_flex_block_mask_is_the_table_with_documents():
     """Several documents starting mid-block and an arbitrary table (pairs before a
-    document's start included): Flex on flex_block_mask equals the fp64 reference, and
+    document's start included): Flex on the shared block_mask equals the fp64 reference, and
     exactly the pairs inside one document are full blocks."""
     doc_id = make_doc_id([[40, 100, 116]])
     q, k, v = make_qkv(1, 14, 2, 256, 64)
     table = random_table(1, 2, 4, 0.6, seed=2)
-    mask = bench.flex_block_mask(table, doc_id, 14)
+    mask = block_mask(table, doc_id, 14)
     docs = doc_id[0].tolist()
     full = torch.zeros(1, 2, 4, dtype=torch.int32)
     for h in range(2):

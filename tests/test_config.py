@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, cpu_env
 
-from sb_titan.config.toml import ConfigError, load_config
+from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 
 
 def _write(tmp_path, text: str):
@@ -132,6 +133,40 @@ def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"'training.steps' = {steps}, expected >= 1" in proc.stderr
     assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
+
+
+def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
+    """`backend = 'flex'` is a valid key; training with it needs CUDA (no CPU backward),
+    forward-only uses of the config (eval) are left alone."""
+    path = _write(tmp_path, "[sparse_attention]\nbackend = 'flex'\n")
+    config = load_config(path)
+    assert config.model_spec.model.layers[1].attention.inner_attention.backend == "flex"
+    check_training_backend(config, path, "cuda")
+    with pytest.raises(ConfigError) as err:
+        check_training_backend(config, path, "cpu")
+    message = str(err.value)
+    assert str(path) in message and "'sparse_attention.backend' = 'flex'" in message
+    assert "no cpu backward" in message
+    config.sparse_attention.enabled = False  # every layer dense: Flex is never called
+    check_training_backend(config, path, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only hosts")
+def test_flex_training_on_cpu_is_refused_before_launch(tmp_path):
+    """One line naming the key, exit 2, before torchrun spawns a rank."""
+    args = ["--sparse_attention.backend", "flex", "--dump_folder", str(tmp_path)]
+    proc = subprocess.run(
+        ["./run_train.sh", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=cpu_env(),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "'sparse_attention.backend' = 'flex' trains on CUDA only" in proc.stderr
+    assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -30,9 +30,9 @@ from sb_titan.attention.dense import (
     cu_seqlens,
     dense_document_attention,
     device_support,
-    flex_block_mask,
     varlen_kwargs,
 )
+from sb_titan.attention.flex import block_mask
 from sb_titan.attention.layout import doc_lens_from_doc_id, document_causal_mask
 from sb_titan.attention.selection import full_block_table, select_blocks, transpose_table
 
@@ -111,21 +111,21 @@ def test_flex_path_matches_reference_forward():
 
 
 def test_flex_block_mask_is_the_table():
-    """flex_block_mask on a selected table (MAXK < NB, L not a block multiple) keeps
-    exactly the table's block pairs (Flex's own transpose included)."""
+    """attention/flex.py's block_mask on a selected table (MAXK < NB, L not a block
+    multiple) keeps exactly the table's block pairs (Flex's own transpose included)."""
     doc_id = make_doc_id(ROWS)
     q, k, _ = (t.detach() for t in inputs(3, 4, 2, 650, 32, torch.float32))
     table, _ = select_blocks(q, k, doc_id, 0.3, policy="topk", block_size=64)
     kv_count, kv_index = table.padded_kv()
     assert kv_index.shape[-1] < 11
-    mask = flex_block_mask(kv_count, kv_index, 650, 64, None)
+    mask = block_mask(table, doc_id, num_q_heads=2)
     want = torch.zeros(3, 2, 11, 11, dtype=torch.bool)
     for b, h, i in torch.cartesian_prod(torch.arange(3), torch.arange(2), torch.arange(11)):
         lo, hi = table.kv_ptr[b, h, i : i + 2].tolist()
         want[b, h, i, table.kv_index[lo:hi].long()] = True
     assert torch.equal(mask.to_dense().bool(), want)
     assert mask.seq_lengths == (650, 650)
-    assert torch.equal(mask.q_num_blocks, table.q_count)
+    assert torch.equal(mask.q_num_blocks + mask.full_q_num_blocks, table.q_count)
 
 
 def test_triton_path_in_interpreter():

@@ -25,12 +25,15 @@ def test_gpu_bench_dry_run(tmp_path):
     checks = report["correctness"]
     assert checks and all(r["ok"] for r in checks)
     assert all(max(r["max_abs_error"].values()) < 1e-4 for r in checks)  # fp32, upcast dots
+    # the `flex` backend on the same table: forward only on CPU (no CPU backward)
+    assert all(r["flex_ok"] and set(r["flex_max_abs_error"]) == {"out"} for r in checks)
+    assert all(r["flex_max_abs_error"]["out"] < 1e-4 for r in checks)
     densities = {r["density"] for r in report["speed"]}
     assert densities == {1.0, 0.5, 0.25, 0.1}
     assert all(r["block_pairs"] > 0 and r["triton_fwd_ms"] is None for r in report["speed"])
     assert all("dq_ms" in r and "dkdv_ms" in r for r in report["speed"])  # per-kernel split ran
-    # (c) cannot run without a GPU; its four variants load and pass the launch checks
+    # (c) cannot run without a GPU; its variants load and pass the launch checks
     assert report["train_step"] == {
-        "checked": ["dense", "dense_compiled", "sparse", "sparse_compiled"]
+        "checked": ["dense", "dense_compiled", "sparse", "sparse_compiled", "sparse_flex"]
     }
     assert "| L | heads | block | dtype |" in proc.stdout

@@ -8,7 +8,7 @@ One kernel per device, named by `choose_dense_kernel`:
   varlen  CUDA, fp16/bf16, flash available: torch's variable-length flash attention,
           one sequence per document (cu_seqlens from doc_id), causal, native GQA.
   flex    CUDA otherwise (e.g. fp32): compiled FlexAttention on the full block table
-          with a document-causal mask_mod.
+          (attention/flex.py: whole-document blocks skip the document-causal mask_mod).
   triton  CUDA without Flex: sb_titan's block-sparse Triton kernels, full table.
   torch   everything else (CPU): the block-sparse PyTorch path with the full table
           (every allowed pair [sink(i), i]), tested equal to masked dense attention.
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from sb_titan.attention.estimator import num_blocks
+from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import block_sparse_attention, full_table
 from sb_titan.attention.selection import full_block_table
 
@@ -169,41 +169,9 @@ def _varlen(q, k, v, doc_id, scale: float) -> torch.Tensor:
 # ------------------------------------------------------------------ FlexAttention
 
 
-def flex_block_mask(
-    kv_count: torch.Tensor, kv_index: torch.Tensor, seq_len: int, block_size: int, mask_mod
-):
-    """A FlexAttention BlockMask from a BlockTable's kv part ([B, H, NB], [B, H, NB, MAXK]).
-
-    Flex's transpose treats kv_indices' last dim as the number of key blocks, so the
-    indices are padded to NB columns (NB^2 int32 per row and head: block level, not
-    token level) and the true sequence length is passed.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    nb = num_blocks(seq_len, block_size)
-    index = torch.nn.functional.pad(kv_index, (0, nb - kv_index.shape[-1]))
-    return BlockMask.from_kv_blocks(
-        kv_count, index, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(seq_len, seq_len)
-    )
-
-
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def _flex(q, k, v, doc_id, scale: float) -> torch.Tensor:
-    """Compiled FlexAttention (eager Flex would compute the full score matrix). The
-    dense path picks it on CUDA only; on CPU, Flex has a forward but no backward."""
-    B, L = doc_id.shape
-    table = full_block_table(doc_id, 1, GPU_BLOCK_SIZE)  # one pattern for all heads
-    doc = doc_id.to(torch.int32)
-
-    def mask_mod(b, h, qi, ki):
-        return (qi >= ki) & (doc[b, qi] == doc[b, ki])
-
-    mask = flex_block_mask(*table.padded_kv(), L, GPU_BLOCK_SIZE, mask_mod)
-    gqa = q.shape[1] != k.shape[1]
-    return _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    """Compiled FlexAttention on the full table (attention/flex.py: one pattern for all
+    heads; blocks inside one document skip the mask). The dense path picks it on CUDA
+    only; on CPU, Flex has a forward but no backward."""
+    table = full_block_table(doc_id, 1, GPU_BLOCK_SIZE)
+    return flex_attention(q, k, v, doc_id, table, scale)

@@ -56,25 +56,27 @@ class BlockTable(NamedTuple):
         """[B, Hkv, NB] int32: query blocks that kept each key block."""
         return self.q_ptr.diff(dim=-1).to(torch.int32)
 
-    def padded_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kv_count, kv_index [B, Hkv, NB, MAXK] int32 0-padded): the row-padded form
-        (FlexAttention's BlockMask, the PyTorch path's chunk plan)."""
-        return self.kv_count, csr_to_padded(self.kv_ptr, self.kv_index)
+    def padded_kv(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_count, kv_index [B, Hkv, NB, width] int32 0-padded): the row-padded form
+        (FlexAttention's BlockMask, the PyTorch path's chunk plan). `width` defaults to
+        the longest row (a host sync); pass NB to stay traceable."""
+        return self.kv_count, csr_to_padded(self.kv_ptr, self.kv_index, width)
 
     def padded_q(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(q_count, q_index [B, Hkv, NB, MAXQ] int32 0-padded): the transposed side."""
         return self.q_count, csr_to_padded(self.q_ptr, self.q_index)
 
 
-def csr_to_padded(ptr: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[..., NB + 1] offsets + flat ids -> [..., NB, max count] int32, 0-padded."""
+def csr_to_padded(ptr: torch.Tensor, index: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """[..., NB + 1] offsets + flat ids -> [..., NB, width] int32, 0-padded (width:
+    default the largest count). Every real table has a pair per block, so index is
+    never empty."""
     count = ptr.diff(dim=-1)
-    width = int(count.max()) if count.numel() else 0
+    if width is None:
+        width = int(count.max()) if count.numel() else 0
     slot = torch.arange(width, device=ptr.device)
     live = slot < count[..., None]
     pos = torch.where(live, ptr[..., :-1, None] + slot, 0)
-    if index.numel() == 0:
-        return torch.zeros(live.shape, dtype=torch.int32, device=ptr.device)
     return torch.where(live, index[pos], 0).to(torch.int32)
 
 

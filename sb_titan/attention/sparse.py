@@ -4,6 +4,8 @@ One entry point for the model: the pattern is chosen per call (so per micro-batc
 budget changes cost nothing), selection is not differentiated, and the attention runs
 on the Triton kernels for CUDA tensors or on the PyTorch path otherwise. Both steps are
 custom ops (attention/ops.py), so a compiled block traces them as two graph nodes.
+`backend="flex"` attends over the same table with compiled FlexAttention instead
+(attention/flex.py; forward only off CUDA).
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import os
 
 import torch
 
+from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import block_sparse_attention, select
 from sb_titan.attention.selection import AttnStats
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "flex")
 
 
 def resolve_backend(backend: str, device_type: str) -> str:
     """What `backend` runs on tensors of `device_type`: `auto` is Triton on CUDA and
-    PyTorch elsewhere; Triton off CUDA only in the interpreter (TRITON_INTERPRET=1)."""
+    PyTorch elsewhere; Triton off CUDA only in the interpreter (TRITON_INTERPRET=1);
+    `flex` (compiled FlexAttention) on any device, but off CUDA forward only."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     if backend == "auto":
@@ -51,8 +55,12 @@ def sparse_attention(
     """
     backend = resolve_backend(backend, q.device.type)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    estimator = "triton" if backend == "triton" else "torch"  # one selection per device
+    # one selection per device: `flex` on CUDA attends over the table `triton` would use
+    on_gpu = backend == "triton" or (backend == "flex" and q.device.type == "cuda")
+    estimator = "triton" if on_gpu else "torch"
     table, stats = select(
         q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale, estimator=estimator
     )
+    if backend == "flex":
+        return flex_attention(q, k, v, doc_id, table, scale), stats
     return block_sparse_attention(q, k, v, doc_id, table, scale, backend), stats

@@ -74,6 +74,18 @@ def check_compile(config, path: str | Path | None) -> None:
         )
 
 
+def check_training_backend(config, path: str | Path | None, device_type: str) -> None:
+    """FlexAttention has a CPU forward but no CPU backward: a training run (or a
+    profile of its steps) with the `flex` backend off CUDA would fail in every rank's
+    first backward, so say so before any rank spawns."""
+    attention = config.sparse_attention
+    if attention.enabled and attention.backend == "flex" and device_type != "cuda":
+        raise ConfigError(
+            f"{path or '<defaults>'}: 'sparse_attention.backend' = 'flex' trains on CUDA "
+            f"only (FlexAttention has no {device_type} backward); use 'auto' or 'torch' here"
+        )
+
+
 def check_loss_chunks(config, path: str | Path | None) -> None:
     """ChunkedLossWrapper splits each row into equal chunks; say so before ranks spawn."""
     from torchtitan.components.loss import ChunkedLossWrapper

@@ -61,13 +61,18 @@ def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
     return 0
 
 
-def _load_config(path: Path, overrides: list[str]):
-    from sb_titan.config.toml import ConfigError, load_config
+def _load_config(path: Path, overrides: list[str], measure_on: torch.device | None):
+    """The config; to measure on `measure_on`, also the checks a training run gets
+    (the profile times backward)."""
+    from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 
     try:
-        return load_config(path, overrides)
+        config = load_config(path, overrides)
+        if measure_on is not None:
+            check_training_backend(config, path, measure_on.type)
     except ConfigError as e:
         raise ProfilerError(str(e)) from None
+    return config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and args.config is None:
         ap.error(f"unrecognized arguments: {' '.join(overrides)}")
     try:
-        config = _load_config(args.config, overrides) if args.config else None
+        measure_on = None if args.check else device
+        config = _load_config(args.config, overrides, measure_on) if args.config else None
         if args.check:
             return check_file(args.check, config, args.stage, args.scope)
         settings = settings_from_args(config, args, device)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from sb_titan import compat
-from sb_titan.config.toml import ConfigError, load_config
+from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import CheckpointIntegrityError
 
@@ -50,8 +50,11 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
 def parse(argv: list[str], check: bool = False):
     """The run's config; with `check`, also everything the launch can verify before
     spawning ranks (sb_titan.config.preflight)."""
+    import torch
+
     path, overrides = split_config_file(argv)
     config = load_config(path, overrides)
+    check_training_backend(config, path, "cuda" if torch.cuda.is_available() else "cpu")
     if check:
         from sb_titan.config.preflight import preflight
 

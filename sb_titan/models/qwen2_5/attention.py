@@ -31,7 +31,8 @@ class SparseAttentionConfig:
     """Budget semantics: `mass` (keep blocks until beta of estimated mass) or `topk`."""
     block_size: int = 64
     backend: str = "auto"
-    """`auto`: Triton on CUDA tensors, PyTorch on CPU; `torch` / `triton` force one."""
+    """`auto`: Triton on CUDA tensors, PyTorch on CPU; `torch` / `triton` force one;
+    `flex`: compiled FlexAttention on the same table (trains on CUDA only)."""
     dense_layers: list[int] = field(default_factory=lambda: [0])
     """Layer indices that stay dense (negative indices count from the end)."""
     record: bool = False
