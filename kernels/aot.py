@@ -8,6 +8,12 @@ also re-assembled with Triton's own ptxas `-v` for its explicit spill-store/load
 Triton allocates shared memory dynamically, so the cubin's static SHARED is 0; the real
 figure is the compiled kernel's `metadata.shared`, which is what the launcher requests.
 
+The MMA check counts the tensor-core instructions of each loop in the PTX (per thread,
+so a wgmma runs once per warp group and an mma.sync once per warp) and compares the
+multiply-adds a program executes per iteration with what the tile needs (MMA_LOOPS).
+Warps that share a tile without splitting it (8 warps laid along M on a 64-row tile of
+chained dots) issue the same MMAs twice, which shows up as mma_ratio > 1.
+
 The signatures mirror what a training launch specialises on: 16-byte aligned pointers,
 strides and sequence length divisible by 16 (L a multiple of the block size), other
 scalars unspecialised, `DOT_F32=False`.
