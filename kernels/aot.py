@@ -8,6 +8,12 @@ also re-assembled with Triton's own ptxas `-v` for its explicit spill-store/load
 Triton allocates shared memory dynamically, so the cubin's static SHARED is 0; the real
 figure is the compiled kernel's `metadata.shared`, which is what the launcher requests.
 
+The MMA check counts the tensor-core instructions of each loop in the PTX (per thread,
+so a wgmma runs once per warp group and an mma.sync once per warp) and compares the
+multiply-adds a program executes per iteration with what the tile needs (MMA_LOOPS).
+Warps that share a tile without splitting it (8 warps laid along M on a 64-row tile of
+chained dots) issue the same MMAs twice, which shows up as mma_ratio > 1.
+
 The signatures mirror what a training launch specialises on: 16-byte aligned pointers,
 strides and sequence length divisible by 16 (L a multiple of the block size), other
 scalars unspecialised, `DOT_F32=False`.
@@ -21,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -83,14 +89,29 @@ class ResUsage:
     spill_stores: int | None
     spill_loads: int | None
     source: str  # "cuobjdump" or "metadata" (no cuobjdump found: regs/LOCAL unknown)
+    # tensor-core work executed / needed per loop iteration (None: the kernel has no
+    # dots); 1.0 = every multiply-add once, 2.0 = all of it done twice
+    mma_ratio: float | None = None
+    mma_loops: list[list[int]] = field(default_factory=list)  # [executed, needed] per loop
+    mma_dots: list[dict] = field(default_factory=list)  # per dot: instructions and ratio
+
+    @property
+    def spill_free(self) -> bool:
+        no_spill = (self.local, self.stack, self.spill_stores, self.spill_loads)
+        return all(x in (0, None) for x in no_spill)
+
+    @property
+    def mma_exact(self) -> bool:
+        """No tensor-core work is duplicated (or wasted on padding) per loop iteration."""
+        return self.mma_ratio in (None, 1.0)
 
     @property
     def ok(self) -> bool:
-        no_spill = (self.local, self.stack, self.spill_stores, self.spill_loads)
-        return self.shared <= self.shared_limit and all(x in (0, None) for x in no_spill)
+        return self.shared <= self.shared_limit and self.spill_free and self.mma_exact
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+        extra = {"spill_free": self.spill_free, "mma_exact": self.mma_exact, "ok": self.ok}
+        return {**asdict(self), **extra}
 
 
 def _signature(fn, dtype: str, constexprs: dict[str, object]) -> tuple[dict, dict]:
@@ -114,6 +135,18 @@ def _signature(fn, dtype: str, constexprs: dict[str, object]) -> tuple[dict, dic
     return sig, attrs
 
 
+#: attention kernels with a BLOCK_M x BLOCK_N tile: report name -> AttnTiles field
+ATTN_TILED: dict[str, str] = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}
+
+
+def attn_spec(kernel: str, dtype: str, head_dim: int, block_size: int, tile: Tile) -> KernelSpec:
+    """A tiled attention kernel (a key of ATTN_TILED) at any tile, for the table or a sweep."""
+    fn = {"fwd": bsa._fwd_kernel, "bwd_dq": bsa._bwd_dq_kernel, "bwd_dkdv": bsa._bwd_dkdv_kernel}
+    ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_F32=False, SCAN=bsa.SCAN)
+    ce.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
+    return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce)
+
+
 def shipped_specs() -> Iterator[KernelSpec]:
     """Every kernel at every shipped (dtype, head_dim, block size), from the tile tables."""
     for torch_dtype in SHIPPED_DTYPES:
@@ -121,14 +154,8 @@ def shipped_specs() -> Iterator[KernelSpec]:
         for d in SHIPPED_HEAD_DIMS:
             for bs in SHIPPED_BLOCK_SIZES:
                 tiles = bsa.attn_tiles(torch_dtype, d, bs)
-                attn = dict(HEAD_DIM=d, BLOCK_SIZE=bs, DOT_F32=False, SCAN=bsa.SCAN)
-                for name, fn, t in (
-                    ("fwd", bsa._fwd_kernel, tiles.fwd),
-                    ("bwd_dq", bsa._bwd_dq_kernel, tiles.dq),
-                    ("bwd_dkdv", bsa._bwd_dkdv_kernel, tiles.dkdv),
-                ):
-                    ce = dict(attn, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
-                    yield KernelSpec(name, fn, dt, d, bs, t, ce)
+                for name, which in ATTN_TILED.items():
+                    yield attn_spec(name, dt, d, bs, getattr(tiles, which))
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=tiles.dkdv.block_n)
                 t = bsa.REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
                 yield KernelSpec("bwd_dkdv_reduce", bsa._dkdv_reduce_kernel, dt, d, bs, t, ce)
@@ -204,6 +231,199 @@ def ptxas_spills(ptx: str, arch: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+#: Tensor-core work each loop of a kernel must do per iteration, for the MMA-volume
+#: check: one entry per loop that runs `tl.dot`s (in program order), as (dots per
+#: iteration, MMA passes per dot). Every dot of these kernels is a BLOCK_M x BLOCK_N x
+#: HEAD_DIM product in some order, so a loop needs dots * passes * BM * BN * D
+#: multiply-adds per iteration. Keep this in step with the kernel bodies.
+MMA_LOOPS: dict[str, tuple[tuple[int, int], ...]] = {
+    "fwd": ((2, 1),),  # Q K^T, P V
+    "bwd_dq": ((3, 1),),  # Q K^T, dO V^T, dS K
+    "bwd_dkdv": ((4, 1),),  # K Q^T, P^T dO, V dO^T, dS^T Q
+    # pass 1 (max/sum) and pass 2 (write) each score BLOCK_I x BLOCK_J pooled blocks;
+    # tf32x3 runs every dot as 3 tf32 MMAs (hi*hi, hi*lo, lo*hi)
+    "est_probs": ((1, 3), (1, 3)),
+}
+
+
+def mma_needed(kernel: str, block_m: int, block_n: int, head_dim: int) -> tuple[int, ...]:
+    """Multiply-adds per iteration of each dot-running loop, from the tile shape alone."""
+    loops = MMA_LOOPS.get(kernel, ())
+    return tuple(dots * passes * block_m * block_n * head_dim for dots, passes in loops)
+
+
+_MMA_RE = re.compile(
+    r"\b(wgmma\.mma_async|mma)\.sync\.aligned\.m(\d+)n(\d+)k(\d+)\S*\s+\{[^}]*\},\s*(\{)?"
+)
+_LABEL_RE = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRA_RE = re.compile(r"^(@!?%p\d+\s+)?bra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_LOC_RE = re.compile(r"^\.loc\s+(.*?)\s*//\s*(\S+)")
+_INLINED_RE = re.compile(r"inlined_at \d+ (\d+)")
+
+
+@dataclass
+class _Block:
+    label: str
+    succ: list[str]
+    mmas: list[tuple[str, int, int, int, str, str]]  # kind, m, n, k, A operand, source
+
+
+def _ptx_blocks(ptx: str) -> list[_Block]:
+    """Basic blocks of the (single) kernel in a PTX module, with their MMA instructions.
+
+    A block starts at a label and after every branch or return (LLVM leaves blocks that
+    are only reached by fall-through unlabelled, e.g. code after a loop's back edge).
+    """
+    lines = ptx.split("\n")
+    start = next(i for i, s in enumerate(lines) if ".entry" in s)
+    blocks = [_Block("entry", [], [])]
+    falls = True  # the current block falls through to the next one
+
+    def new_block(label: str) -> None:
+        if falls:
+            blocks[-1].succ.append(label)
+        blocks.append(_Block(label, [], []))
+
+    loc = "?"
+    for raw in lines[start:]:
+        s = raw.strip()
+        if m := _LABEL_RE.match(s):
+            new_block(m.group(1))
+            falls = True
+        elif m := _BRA_RE.match(s):
+            blocks[-1].succ.append(m.group(2))
+            falls = m.group(1) is not None  # a predicated branch may fall through
+            new_block(f"fall{len(blocks)}")
+            falls = True
+        elif s.startswith(("ret;", "exit;")):
+            falls = False
+            new_block(f"fall{len(blocks)}")
+            falls = True
+        elif m := _LOC_RE.match(s):
+            file_line = m.group(2).rsplit(":", 1)[0]
+            inl = _INLINED_RE.search(m.group(1))
+            loc = file_line + (f"@{inl.group(1)}" if inl else "")
+        elif m := _MMA_RE.search(s):
+            kind = "wgmma" if m.group(1).startswith("wgmma") else "mma.sync"
+            a_op = ("RS" if m.group(5) else "SS") if kind == "wgmma" else "R"
+            mnk = (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+            blocks[-1].mmas.append((kind, *mnk, a_op, loc))
+    return blocks
+
+
+def _innermost_loops(blocks: list[_Block]) -> dict[str, str | None]:
+    """Block label -> header of the innermost natural loop containing it (None: no loop)."""
+    labels = {b.label for b in blocks}
+    edges = {b.label: [s for s in b.succ if s in labels] for b in blocks}
+    # only blocks reachable from the entry: an empty block after an unconditional
+    # branch (no predecessors) would otherwise empty its successor's dominator set
+    reach, stack = {blocks[0].label}, [blocks[0].label]
+    while stack:
+        for s in edges[stack.pop()]:
+            if s not in reach:
+                reach.add(s)
+                stack.append(s)
+    names = [b.label for b in blocks if b.label in reach]
+    succ = {n: edges[n] for n in names}
+    pred: dict[str, set[str]] = {n: set() for n in names}
+    for n, ss in succ.items():
+        for s in ss:
+            pred[s].add(n)
+    dom = {n: set(names) for n in names}
+    dom[names[0]] = {names[0]}
+    changed = True
+    while changed:
+        changed = False
+        for n in names[1:]:
+            ps = [dom[p] for p in pred[n]]
+            new = {n} | (set.intersection(*ps) if ps else set())
+            if new != dom[n]:
+                dom[n], changed = new, True
+    bodies: dict[str, set[str]] = {}
+    for tail in names:
+        for head in succ[tail]:
+            if head in dom[tail]:  # back edge tail -> head
+                body, stack = {head, tail}, [tail] if tail != head else []
+                while stack:
+                    for p in pred[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                bodies.setdefault(head, set()).update(body)
+    inner: dict[str, str | None] = {}
+    for n in names:
+        holding = [h for h, body in bodies.items() if n in body]
+        inner[n] = min(holding, key=lambda h: len(bodies[h])) if holding else None
+    return inner
+
+
+@dataclass
+class MmaCount:
+    """MMA volume one program executes, per dot-running loop, read from the PTX."""
+
+    loops: list[int]  # multiply-adds per iteration of each loop with MMAs, program order
+    outside: int  # multiply-adds of MMAs outside any loop (e.g. pipeliner-peeled copies)
+    dots: list[dict]  # per (loop index, source line): instruction, operand, count, volume
+
+
+def count_mma(ptx: str, num_warps: int) -> MmaCount:
+    """Per-program MMA volume from PTX: a wgmma runs once per warpgroup (num_warps / 4 per
+    program), an mma.sync once per warp; each loop's body is counted once, so the figure
+    is per iteration."""
+    blocks = _ptx_blocks(ptx)
+    inner = _innermost_loops(blocks)
+    order = [b.label for b in blocks]
+    per_loop: dict[str, int] = {}
+    outside = 0
+    dots: dict[tuple, dict] = {}
+    for b in blocks:
+        for kind, m, n, k, a_op, src in b.mmas:
+            vol = m * n * k * (num_warps // 4 if kind == "wgmma" else num_warps)
+            head = inner.get(b.label)  # None: no loop, or unreachable
+            if head is None:
+                outside += vol
+            else:
+                per_loop[head] = per_loop.get(head, 0) + vol
+            shape = f"{kind} m{m}n{n}k{k} {a_op}"
+            d = dots.setdefault((head, src, shape), {"loop": head, "src": src, "instr": shape})
+            d["count"] = d.get("count", 0) + 1
+            d["volume"] = d.get("volume", 0) + vol
+    heads = sorted(per_loop, key=order.index)
+    for d in dots.values():  # loop header label -> position in `loops`
+        d["loop"] = None if d["loop"] is None else heads.index(d["loop"])
+    return MmaCount([per_loop[h] for h in heads], outside, list(dots.values()))
+
+
+def mma_check(spec: KernelSpec, ptx: str) -> dict:
+    """ResUsage's mma_* fields: the PTX's MMA volume per loop iteration against the tile's.
+
+    Raises when the loops that run MMAs do not match MMA_LOOPS (a kernel body changed:
+    update the table), rather than compare the wrong figures.
+    """
+    t = spec.tile
+    needed = mma_needed(spec.kernel, t.block_m, t.block_n, spec.head_dim)
+    got = count_mma(ptx, t.num_warps)
+    if len(got.loops) != len(needed) or got.outside:
+        raise ValueError(
+            f"{spec.kernel} {t}: the PTX runs MMAs in {len(got.loops)} loop(s) (+{got.outside} "
+            f"multiply-adds outside loops), aot.MMA_LOOPS expects {len(needed)} loop(s)"
+        )
+    if not needed:
+        return {}
+    passes = [p for _, p in MMA_LOOPS[spec.kernel]]
+    unit = t.block_m * t.block_n * spec.head_dim
+    dots = [
+        {"src": d["src"], "instr": d["instr"], "count": d["count"],
+         "ratio": d["volume"] / (unit * passes[d["loop"]])}
+        for d in got.dots
+    ]  # fmt: skip
+    return dict(
+        mma_ratio=sum(got.loops) / sum(needed),
+        mma_loops=[[e, n] for e, n in zip(got.loops, needed, strict=True)],
+        mma_dots=dots,
+    )
+
+
 def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -> ResUsage:
     """Compile one spec for one arch and measure it (`spills`: also run `ptxas -v`)."""
     compiled = compile_spec(spec, arch)
@@ -214,6 +434,7 @@ def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -
         shared += static_shared
     counts = (ptxas_spills(compiled.asm["ptx"], arch) if spills else None) or (None, None)
     t = spec.tile
+    mma = mma_check(spec, compiled.asm["ptx"])
     return ResUsage(
         kernel=spec.kernel,
         dtype=spec.dtype,
@@ -232,6 +453,7 @@ def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -
         spill_stores=counts[0],
         spill_loads=counts[1],
         source="cuobjdump" if tool else "metadata",
+        **mma,
     )
 
 

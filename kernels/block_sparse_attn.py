@@ -41,26 +41,27 @@ class AttnTiles(NamedTuple):
 
 
 # One table for runtime and AOT: (dtype name, head_dim, block size Bs) -> tiles. Tiles
-# divide Bs so every tile lies inside one sparse block. Picked from an AOT sweep of
-# tile x warps x stages (registers/spills from cuobjdump, see docs/kernels.md): the
-# largest tiles with zero spills on both sm_80 and sm_90a. 64-row forward tiles keep 4
-# warps (16 rows per warp: softmax row reductions stay inside a warp); configs that
-# spill at 4 warps use 8.
+# divide Bs so every tile lies inside one sparse block. Picked by the AOT sweep
+# `python bench/kernels_report.py --sweep` (bf16, sm_80 and sm_90a, see docs/kernels.md):
+# among tiles with no spills, shared memory within the limit and no duplicated MMA work
+# (mma_ratio 1: with 8 warps on a 64-row tile of chained dots, Triton lays the warps
+# along M only and two warp groups issue the same MMAs) on both arches, the largest
+# tile area, then the larger resident dimension, then fewer warps, then more stages.
 _PRE = Tile(64, 0, 4, 1)
 #: the dK/dV partial sum: a streaming add over BLOCK_N x D tiles (BLOCK_N is dK/dV's)
 REDUCE_TILE = Tile(0, 0, 8, 1)
 _BY_SHAPE: dict[tuple[int, int], AttnTiles] = {
     (64, 64): AttnTiles(
-        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 3), dkdv=Tile(16, 64, 4, 3)
+        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 3), dkdv=Tile(64, 32, 4, 3)
     ),
     (64, 128): AttnTiles(
-        fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 64, 8, 3), dkdv=Tile(32, 128, 8, 3)
+        fwd=Tile(128, 128, 8, 3), preprocess=_PRE, dq=Tile(128, 64, 8, 3), dkdv=Tile(32, 128, 8, 3)
     ),
     (128, 64): AttnTiles(
-        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 8, 3), dkdv=Tile(32, 64, 8, 3)
+        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 32, 4, 3), dkdv=Tile(64, 32, 8, 3)
     ),
     (128, 128): AttnTiles(
-        fwd=Tile(128, 32, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(32, 64, 8, 3)
+        fwd=Tile(128, 32, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(64, 32, 8, 3)
     ),
 }
 ATTN_CONFIGS: dict[tuple[str, int, int], AttnTiles] = {

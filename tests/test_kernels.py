@@ -330,6 +330,14 @@ def test_on_gpu(gpu_numerics: dict, name: str) -> None:
         _check_attn(gpu_numerics, name, {**ATTN_CASES, **GPU_CASES}[name])
 
 
+DOT_KERNELS = {"fwd", "bwd_dq", "bwd_dkdv", "est_probs"}
+
+
+def _label(r: dict) -> str:
+    tile = f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+    return f"{r['kernel']} {r['dtype']} D={r['head_dim']} Bs={r['block_size']} {r['arch']} {tile}"
+
+
 def test_aot_every_shipped_config(aot_rows: dict) -> None:
     rows = aot_rows["rows"]
     kernels = {"fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce"}
@@ -337,13 +345,65 @@ def test_aot_every_shipped_config(aot_rows: dict) -> None:
     assert {r["kernel"] for r in rows} == kernels
     assert len(rows) == len(kernels) * 2 * 2 * 2 * 2  # dtype x head_dim x block x arch
     assert aot_rows["cuobjdump"], "no cuobjdump: only shared memory could be checked"
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, f"spills or shared memory over the limit: {bad}"
-    assert all(r["local"] == 0 and r["stack"] == 0 for r in rows)
+    over = [_label(r) for r in rows if r["shared"] > r["shared_limit"]]
+    assert not over, f"shared memory over the arch limit: {over}"
+    spills = [_label(r) for r in rows if not (r["local"] == 0 and r["stack"] == 0)]
+    assert not spills, f"register spills (LOCAL/STACK > 0): {spills}"
     assert all(0 < r["regs"] <= 255 for r in rows)
+    # every dot kernel's tensor-core work per loop iteration, read from its PTX, equals
+    # what the tile needs: no MMA issued twice by warps that share a tile
+    assert all((r["mma_ratio"] is None) == (r["kernel"] not in DOT_KERNELS) for r in rows)
+    dup = [f"{_label(r)}: x{r['mma_ratio']:.3g}" for r in rows if r["mma_ratio"] not in (None, 1.0)]
+    assert not dup, f"duplicated MMA work (executed / needed per iteration): {dup}"
+    assert all(r["ok"] for r in rows)
 
 
 # ------------------------------------------------------------------ plain CPU tests
+
+# A hand-written kernel: one mma.sync before any loop, an outer loop around an inner
+# one, the inner body with two wgmmas (A from shared, A from registers), and a wgmma
+# after the inner loop's back edge that LLVM leaves unlabelled (falls through).
+SYNTHETIC_PTX = """
+.visible .entry k(
+	.param .u64 k_param_0
+)
+{
+	mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%r1}, {%r2}, {%r3}, {%r1};
+	@%p0 bra 	$L__BB0_4;
+$L__BB0_1:
+	mov.b32 	%r9, 0;
+$L__BB0_2:
+	.loc	1 10 5                          // k.py:10:5
+	wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1,%r2}, %rd1, %rd2, 1, 1, 1, 0, 0;
+	.loc	1 11 5                          // k.py:11:5
+	wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%r1,%r2}, {%r5,%r6}, %rd2, 1, 1, 1;
+	@%p1 bra 	$L__BB0_2;
+// %bb.3:
+	.loc	1 13 5                          // k.py:13:5
+	wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%r1,%r2}, %rd1, %rd2, 1, 1, 1, 0, 0;
+	@%p2 bra 	$L__BB0_1;
+	bra.uni 	$L__BB0_4;
+$L__BB0_4:
+	ret;
+}
+"""
+
+
+def test_count_mma_reads_loops_from_the_control_flow() -> None:
+    from sb_titan_kernels.aot import count_mma
+
+    got = count_mma(SYNTHETIC_PTX, num_warps=8)  # two warpgroups, eight warps
+    # outer loop (header first): the m64n16k16 after the inner back edge, twice (2 groups)
+    # inner loop: m64n64k16 + m64n32k16, twice; before the loops: m16n8k16 on 8 warps
+    assert got.loops == [2 * 64 * 16 * 16, 2 * (64 * 64 * 16 + 64 * 32 * 16)]
+    assert got.outside == 8 * 16 * 8 * 16
+    dots = {(d["loop"], d["src"], d["instr"], d["count"]) for d in got.dots}
+    assert dots == {
+        (None, "?", "mma.sync m16n8k16 R", 1),
+        (1, "k.py:10", "wgmma m64n64k16 SS", 1),
+        (1, "k.py:11", "wgmma m64n32k16 RS", 1),
+        (0, "k.py:13", "wgmma m64n16k16 SS", 1),
+    }
 
 
 def test_reference_full_table_is_dense_document_attention() -> None:
