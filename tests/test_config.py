@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,11 +120,10 @@ def test_run_train_sh_rejects_bad_config_before_launch(tmp_path):
     assert "config file not found" in proc.stderr
 
 
-@pytest.mark.parametrize("steps", ["0", "-3"])
-def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
-    """steps <= 0 spawned every rank, trained nothing and exited 0."""
+def _run_train_refused(args: list[str], dump: Path) -> subprocess.CompletedProcess:
+    """./run_train.sh with `args`; it must exit 2 (refused before launch)."""
     proc = subprocess.run(
-        ["./run_train.sh", "--training.steps", steps, "--dump_folder", str(tmp_path)],
+        ["./run_train.sh", *args, "--dump_folder", str(dump)],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -131,6 +131,13 @@ def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
         env=cpu_env(),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
+    return proc
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
+    """steps <= 0 spawned every rank, trained nothing and exited 0."""
+    proc = _run_train_refused(["--training.steps", steps], tmp_path)
     assert f"'training.steps' = {steps}, expected >= 1" in proc.stderr
     assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
 
@@ -154,16 +161,7 @@ def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only hosts")
 def test_flex_training_on_cpu_is_refused_before_launch(tmp_path):
     """One line naming the key, exit 2, before torchrun spawns a rank."""
-    args = ["--sparse_attention.backend", "flex", "--dump_folder", str(tmp_path)]
-    proc = subprocess.run(
-        ["./run_train.sh", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cpu_env(),
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
+    proc = _run_train_refused(["--sparse_attention.backend", "flex"], tmp_path)
     assert "'sparse_attention.backend' = 'flex' trains on CUDA only" in proc.stderr
     assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
     assert not any(tmp_path.iterdir())
