@@ -23,7 +23,8 @@ resident programs (132 SMs x 2, an assumption), over the ideal total / SLOTS: wh
 balance costs once program counts and launch order are taken into account.
 
 The optional sub-tile census classifies, from doc ids token by token, every
-(query sub-tile, key sub-tile) pair the kernels meet inside kept blocks (D=64 tiles):
+(query sub-tile, key sub-tile) pair the kernels meet inside kept blocks (the shipped
+tiles of `--census-head-dim`, default 64):
 dead (no allowed token pair: the kernels cut these from their iteration range),
 interior (every token pair allowed: no mask evaluated) or masked (diagonal, document
 edges). Writes bench/results/kernel_balance.json and prints markdown tables.
@@ -206,8 +207,10 @@ def _kernel_rules(kind: str, doc_start, doc_end, m0, n0, bm: int, bn: int, L: in
     return run, masked
 
 
-def subtile_census(table: BlockTable, doc_id: torch.Tensor, chunk: int = 2048) -> dict:
-    """Sub-tile pairs inside kept blocks (D=64 tiles of the forward and of dK/dV), classed
+def subtile_census(
+    table: BlockTable, doc_id: torch.Tensor, head_dim: int = HEAD_DIM, chunk: int = 2048
+) -> dict:
+    """Sub-tile pairs inside kept blocks (shipped forward and dK/dV tiles at head_dim), classed
     token by token as dead / interior / masked, and checked against the kernels' rules:
     `dead_run` counts dead pairs inside the iteration range, `interior_masked` interior
     pairs that still evaluate the mask (both 0 when the rules are exact); `live_cut` and
@@ -222,7 +225,7 @@ def subtile_census(table: BlockTable, doc_id: torch.Tensor, chunk: int = 2048) -
         torch.arange(table.kv_count.numel()), table.kv_count.flatten().long()
     )
     qb, kb = row % nb, table.kv_index.long()
-    tiles = attn_tiles(torch.bfloat16, 64, bs)
+    tiles = attn_tiles(torch.bfloat16, head_dim, bs)
     out = {}
     for kind, t in (("fwd", tiles.fwd), ("dkdv", tiles.dkdv)):
         sm = torch.arange(bs // t.block_m) * t.block_m
@@ -257,7 +260,9 @@ def subtile_census(table: BlockTable, doc_id: torch.Tensor, chunk: int = 2048) -
     return out
 
 
-def run(lengths, blocks, betas, policies, layouts, subtiles: bool = True) -> list[dict]:
+def run(
+    lengths, blocks, betas, policies, layouts, subtiles: bool = True, census_dim: int = HEAD_DIM
+) -> list[dict]:
     rows = []
     for L in lengths:
         for layout in layouts:
@@ -273,7 +278,7 @@ def run(lengths, blocks, betas, policies, layouts, subtiles: bool = True) -> lis
                         if layout == "packed":
                             row["documents"] = int(doc_id.max()) + 1
                         if subtiles and L <= SUBTILE_MAX_L:
-                            row["subtiles"] = subtile_census(table, doc_id)
+                            row["subtiles"] = subtile_census(table, doc_id, census_dim)
                         rows.append(row)
                         print(_line(row), flush=True)
     return rows
@@ -314,7 +319,7 @@ def markdown(rows: list[dict]) -> str:
         )
     census = [r for r in rows if "subtiles" in r]
     if census:
-        lines += ["", "sub-tile pairs inside kept blocks (D=64 tiles), token-level census; "]
+        lines += ["", "sub-tile pairs inside kept blocks, token-level census; "]
         lines[-1] += "dead run / interior masked: against the kernels' rules"
         head = "tile | dead | interior | masked | dead run | interior masked | useful before/after"
         lines += [f"| L | docs | Bs | policy | beta | fwd {head} | dK/dV {head} |"]
@@ -341,11 +346,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     ap.add_argument("--no-subtiles", action="store_true", help="skip the sub-tile census")
+    ap.add_argument("--census-head-dim", type=int, default=HEAD_DIM, choices=(64, 128))
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
     print(HEADER)
     rows = run(
-        args.lengths, args.blocks, args.betas, args.policies, args.layouts, not args.no_subtiles
+        args.lengths,
+        args.blocks,
+        args.betas,
+        args.policies,
+        args.layouts,
+        not args.no_subtiles,
+        args.census_head_dim,
     )
     report = {
         "what": "CPU work model of the Triton attention kernels over real selection tables; "

@@ -58,10 +58,10 @@ _BY_SHAPE: dict[tuple[int, int], AttnTiles] = {
         fwd=Tile(128, 128, 8, 3), preprocess=_PRE, dq=Tile(128, 64, 8, 3), dkdv=Tile(32, 128, 8, 3)
     ),
     (128, 64): AttnTiles(
-        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 32, 4, 3), dkdv=Tile(64, 32, 8, 3)
+        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 3), dkdv=Tile(64, 32, 8, 3)
     ),
     (128, 128): AttnTiles(
-        fwd=Tile(128, 32, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(64, 32, 8, 3)
+        fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(64, 32, 8, 3)
     ),
 }
 ATTN_CONFIGS: dict[tuple[str, int, int], AttnTiles] = {
@@ -388,6 +388,25 @@ def _bwd_dq_kernel(
 
 
 @triton.jit
+def _store_kv_grads(
+    DK, DV, dk, dv, b64, hk64, col0, col_ok,
+    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dK and dV rows [col0, col0 + BLOCK_N) of one (row, kv head), cast to their dtype."""
+    local_n = tl.arange(0, BLOCK_N)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(
+        DK + b64 * stride_dkb + hk64 * stride_dkh + col0 * stride_dkn + local_n * stride_dkn
+        + offs_d, dk.to(DK.dtype.element_ty), mask=col_ok[:, None],
+    )  # fmt: skip
+    tl.store(
+        DV + b64 * stride_dvb + hk64 * stride_dvh + col0 * stride_dvn + local_n * stride_dvn
+        + offs_d, dv.to(DV.dtype.element_ty), mask=col_ok[:, None],
+    )  # fmt: skip
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DOC, DOC_END, Q_INDEX, ITEMS, DO, LSE, DELTA, DK, DV, DK_PART, DV_PART,
     stride_qb, stride_qh, stride_qm,
@@ -494,15 +513,10 @@ def _bwd_dkdv_kernel(
             dk = tl.dot(dst.to(DOT_T), tl.trans(qt), dk, input_precision=PREC)
 
     if slot < 0:
-        tl.store(
-            DK + b64 * stride_dkb + hk64 * stride_dkh + col0 * stride_dkn
-            + local_n * stride_dkn + offs_d[None, :],
-            (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None],
-        )  # fmt: skip
-        tl.store(
-            DV + b64 * stride_dvb + hk64 * stride_dvh + col0 * stride_dvn
-            + local_n * stride_dvn + offs_d[None, :],
-            dv.to(DV.dtype.element_ty), mask=col_ok[:, None],
+        _store_kv_grads(
+            DK, DV, dk * sm_scale, dv, b64, hk64, col0, col_ok,
+            stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+            HEAD_DIM, BLOCK_N,
         )  # fmt: skip
     else:
         part = (slot * BLOCK_SIZE + (pid % NSUBN) * BLOCK_N) * HEAD_DIM
@@ -543,16 +557,10 @@ def _dkdv_reduce_kernel(
         )
         dk += tl.load(DK_PART + part_ptrs)
         dv += tl.load(DV_PART + part_ptrs)
-    col0 = start_n.to(tl.int64)
-    tl.store(
-        DK + b64 * stride_dkb + hk64 * stride_dkh + col0 * stride_dkn
-        + local_n * stride_dkn + offs_d[None, :],
-        (dk * sm_scale).to(DK.dtype.element_ty), mask=col_ok[:, None],
-    )  # fmt: skip
-    tl.store(
-        DV + b64 * stride_dvb + hk64 * stride_dvh + col0 * stride_dvn
-        + local_n * stride_dvn + offs_d[None, :],
-        dv.to(DV.dtype.element_ty), mask=col_ok[:, None],
+    _store_kv_grads(
+        DK, DV, dk * sm_scale, dv, b64, hk64, start_n.to(tl.int64), col_ok,
+        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+        HEAD_DIM, BLOCK_N,
     )  # fmt: skip
 
 
