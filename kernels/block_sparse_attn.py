@@ -759,14 +759,14 @@ class BlockSparseAttnFn(torch.autograd.Function):
     def forward(ctx, q, k, v, doc_id, table: BlockTable, scale: float | None) -> torch.Tensor:
         p = _prepare(q, k, v, doc_id, table, scale)
         out, lse = _fwd(p)
-        ctx.save_for_backward(out, lse)
-        ctx.prepared = p
+        ctx.save_for_backward(out, lse, *p[:-2])  # every tensor of the prepared call
+        ctx.block_size, ctx.scale = p.block_size, p.scale
         return out
 
     @staticmethod
     def backward(ctx, do: torch.Tensor):
-        out, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(ctx.prepared, do, out, lse)
+        out, lse, *tensors = ctx.saved_tensors
+        dq, dk, dv = _bwd(Prepared(*tensors, ctx.block_size, ctx.scale), do, out, lse)
         return dq, dk, dv, None, None, None
 
 
