@@ -150,9 +150,11 @@ def mark_module(module: torch.nn.Module, timeline: MemoryTimeline, name: str) ->
 class _FakeAttention(torch.autograd.Function):
     """Memory of a flash-style attention op: out (q-shaped) and fp32 log-sum-exp [B, H, L]
     saved with q, k, v (and any table) for backward; backward allocates delta [B, H, L]
-    fp32, dq, dk, dv, plus `bwd_extra`: FlashAttention-2's fp32 dq accumulator and its
-    q-head-sized dk/dv for GQA (dense), nothing more for the block-sparse Triton kernels
-    (kernels/block_sparse_attn.py: _fwd / _bwd)."""
+    fp32, dq, dk, dv, plus the extras: FlashAttention-2's fp32 dq accumulator and its
+    q-head-sized dk/dv for GQA (dense); for the block-sparse Triton kernels the fp32
+    dK/dV partials of split key blocks (kernels/block_sparse_attn.py `plan_dkdv`), at
+    most about one fp32 dK and dV (bench/kernel_balance.py measures 0.8-1.0x at cap =
+    the mean), so sized as that."""
 
     @staticmethod
     def forward(ctx, q, k, v, flash: bool, *saved):
@@ -172,6 +174,8 @@ class _FakeAttention(torch.autograd.Function):
             extra.append(torch.empty_like(q, dtype=torch.float32))  # dq accumulator
             if k.shape[1] != q.shape[1]:
                 extra += [torch.empty_like(q), torch.empty_like(q)]  # dk, dv per q head
+        else:  # dK/dV partials of the split key blocks
+            extra += [torch.empty_like(k, dtype=torch.float32) for _ in range(2)]
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         del delta, extra
         return (dq, dk, dv, None) + (None,) * ctx.n_saved
