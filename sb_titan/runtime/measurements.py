@@ -1,16 +1,77 @@
 """One step's measurements from every rank, keyed by (DP rank, micro-batch): what the
 trainer all-gathers and then turns, identically on every rank, into cost-model refits,
-SAB observations and the balance scalars it logs."""
+SAB observations and the balance scalars it logs.
+
+They travel as one fixed-size float64 tensor per rank (encode/decode below), so a step
+costs one tensor all-gather, not a pickle per rank: float64 holds every value exactly
+(Python floats, small integers, fp32 stats), so decoded measurements equal the local
+ones bit for bit and every rank refits identically."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import sensitive_recall
 from sb_titan.balance.sab import StepPlan
+
+_HEADER = 4  # dp, pp, step_seconds, micro-batches per step
+_ROW = 7  # timed?, seconds, stats?, density_sum, rows, recall_sum, tokens
+
+
+def measurement_size(microbatches: int) -> int:
+    """Length of one rank's encoded measurements for a step of `microbatches`."""
+    return _HEADER + _ROW * microbatches
+
+
+def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
+    """One rank's measurements ({"dp", "pp", "seconds", "stats", "step_seconds"}) as a
+    float64 vector of measurement_size(microbatches). A micro-batch this rank did not time
+    or has no stats for is flagged absent (a PP stage or rank sees only some)."""
+    rows = [[0.0] * _ROW for _ in range(microbatches)]
+
+    def row(mb: int) -> list[float]:
+        if not 0 <= mb < microbatches:
+            raise ValueError(f"micro-batch {mb}: expected 0..{microbatches - 1}")
+        return rows[mb]
+
+    for mb, s in local["seconds"].items():
+        row(mb)[0:2] = [1.0, s]
+    for mb, v in local["stats"].items():
+        if len(v) != 4:
+            raise ValueError(f"micro-batch {mb} stats: expected 4 values, got {len(v)}")
+        row(mb)[2:7] = [1.0, *v]
+    header = [local["dp"], local["pp"], local["step_seconds"], microbatches]
+    flat = [float(x) for x in header] + [x for row in rows for x in row]
+    return torch.tensor(flat, dtype=torch.float64)
+
+
+def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]:
+    """Every rank's measurements from the all-gathered vectors (world x size, any shape
+    that flattens to it), in the form StepMeasurements.from_gathered takes."""
+    size = measurement_size(microbatches)
+    flat = gathered.detach().reshape(-1).cpu().tolist()
+    if len(flat) % size:
+        raise ValueError(f"gathered measurements: {len(flat)} values, not a multiple of {size}")
+    out = []
+    for at in range(0, len(flat), size):
+        dp, pp, step_seconds, n = flat[at : at + _HEADER]
+        if n != microbatches:
+            raise ValueError(f"rank sent {n:g} micro-batches per step, expected {microbatches}")
+        rows = [flat[i : i + _ROW] for i in range(at + _HEADER, at + size, _ROW)]
+        out.append(
+            {
+                "dp": int(dp),
+                "pp": int(pp),
+                "seconds": {mb: r[1] for mb, r in enumerate(rows) if r[0]},
+                "stats": {mb: r[3:7] for mb, r in enumerate(rows) if r[2]},
+                "step_seconds": step_seconds,
+            }
+        )
+    return out
 
 
 @dataclass

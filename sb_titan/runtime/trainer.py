@@ -6,7 +6,8 @@ What it adds to the stock trainer, and nothing else:
     micro-batch), identical on every rank → `attention_masks = AttnMeta(doc_id, budget,
     microbatch, stats)`, which the pipeline schedule hands to every stage;
   * per-micro-batch measurements (time per stage, realised density, recall),
-    all-gathered so every rank refits the cost model and feeds SAB identically;
+    all-gathered as one float64 tensor per rank so every rank refits the cost model
+    and feeds SAB identically;
   * TensorBoard scalars next to TorchTitan's loss / step time / tokens per second.
 """
 
@@ -54,7 +55,11 @@ from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
-from sb_titan.runtime.measurements import StepMeasurements
+from sb_titan.runtime.measurements import (
+    StepMeasurements,
+    decode_measurements,
+    encode_measurements,
+)
 from sb_titan.runtime.schedule import with_microbatch_schedules
 from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
 
@@ -111,6 +116,7 @@ class SBTrainer(Trainer):
         self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
         planning = loader_planning(config, copy.deepcopy(self.cost_model))
+        self._microbatches = planning.microbatches_per_step  # sizes the measurement gather
         with _as_torchtitan_builds(config, planning) as tensorboard:
             super().__init__(config)
         self._first_step: int | None = None
@@ -211,12 +217,12 @@ class SBTrainer(Trainer):
 
     def _after_step(self, step_seconds: float) -> None:
         """Gather every rank's measurements; all ranks then do identical work with them."""
-        local = self._local_measurements(step_seconds)
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        local = encode_measurements(self._local_measurements(step_seconds), self._microbatches)
+        gathered = _all_gather_flat(local.to(self.device))
         plan = self._step_plan
         if plan is None:
             return
+        gathered = decode_measurements(gathered, self._microbatches)
         m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
         if self.cost_model is not None:
             policy = self.config.sparse_attention.policy
@@ -441,6 +447,15 @@ def _assert_same_everywhere(digest: str, what: str) -> None:
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks disagree on {what}: {digests}")
+
+
+def _all_gather_flat(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `x`, concatenated in rank order: one collective on gloo and NCCL
+    (gloo takes only the flat output form; NCCL needs `x` on the rank's device)."""
+    out = x.new_empty(dist.get_world_size() * x.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x)
+    return out
 
 
 def _now(device: torch.device) -> float:

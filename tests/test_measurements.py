@@ -1,0 +1,93 @@
+"""Per-step measurements travel as one float64 tensor per rank: encoding, all-gathering
+and decoding must hand every rank exactly the values each rank measured."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from conftest import REPO, losses, torchrun
+
+from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
+from sb_titan.runtime.measurements import (
+    StepMeasurements,
+    decode_measurements,
+    encode_measurements,
+    measurement_size,
+)
+
+
+def _local(dp: int, pp: int, mbs: list[int], rng: random.Random) -> dict:
+    """What SBTrainer._local_measurements returns: timed micro-batches, fp32 stats
+    (through .tolist(), as the trainer reads them) for those with rows > 0."""
+    stats = torch.rand(len(mbs), 4, dtype=torch.float32) * 1e4
+    stats[:, 1] = torch.arange(1, len(mbs) + 1)
+    if mbs:
+        stats[0, 1] = 0.0  # a micro-batch without sparse rows has no stats entry
+    return {
+        "dp": dp,
+        "pp": pp,
+        "seconds": {mb: rng.random() / 7 for mb in mbs},
+        "stats": {mb: v for mb, v in zip(mbs, stats.tolist(), strict=True) if v[1] > 0},
+        "step_seconds": rng.random() * 3,
+    }
+
+
+def test_round_trip_is_exact_with_absent_microbatches():
+    rng = random.Random(0)
+    n = 5
+    # 2 DP x 2 PP ranks; the stages of DP rank 1 see different subsets; one rank saw none.
+    local = [
+        _local(0, 0, [0, 1, 2, 3, 4], rng),
+        _local(0, 1, [], rng),
+        _local(1, 0, [0, 2, 4], rng),
+        _local(1, 1, [1, 3], rng),
+    ]
+    encoded = [encode_measurements(x, n) for x in local]
+    assert all(e.dtype == torch.float64 and e.numel() == measurement_size(n) for e in encoded)
+    decoded = decode_measurements(torch.cat(encoded), n)
+    assert decoded == local  # == on floats: bit-exact, and absent stays absent
+    for got, want in zip(decoded, local, strict=True):
+        assert list(got["seconds"]) == list(want["seconds"])  # same order: same sums
+        assert all(type(k) is int for k in (*got["seconds"], *got["stats"]))
+        assert [x.hex() for v in got["stats"].values() for x in v] == [
+            x.hex() for v in want["stats"].values() for x in v
+        ]
+    plan = StepPlan(
+        step=0,
+        epoch=0,
+        microbatches=[[MicroBatchPlan(rows=[[Piece(i, 0, 64 * (i + 1))]]) for i in range(n)]] * 2,
+    )
+    budgets = [[0.5] * n, [0.7] * n]
+    a = StepMeasurements.from_gathered(decoded, plan, budgets)
+    b = StepMeasurements.from_gathered(local, plan, budgets)
+    assert a == b and a.metrics() == b.metrics()
+    assert set(a.seconds) == {(0, m) for m in range(n)} | {(1, m) for m in range(n)}
+
+
+def test_bad_measurements_name_the_problem():
+    rng = random.Random(1)
+    with pytest.raises(ValueError, match="micro-batch 3: expected 0..2"):
+        encode_measurements(_local(0, 0, [3], rng), 3)
+    x = encode_measurements(_local(0, 0, [0, 1], rng), 2)
+    with pytest.raises(ValueError, match="36 values, not a multiple of 25"):
+        decode_measurements(torch.cat([x, x]), 3)
+    x[3] = 3.0  # a rank that sized its buffer for another step shape
+    with pytest.raises(ValueError, match="rank sent 3 micro-batches per step, expected 2"):
+        decode_measurements(x, 2)
+
+
+@pytest.mark.torchrun
+def test_training_step_exchanges_no_pickled_objects(tmp_path):
+    """Two FSDP ranks, SAB + DST with the cost-model refit: all_gather_object raises in
+    these processes except in the debug-only budget check, so finishing proves the step
+    path sends tensors only; the check itself proves both ranks refit to the same
+    budgets from the gathered tensors (steps 3 and 4 plan with models refit at 2 and 3)."""
+    guard = REPO / "tests" / "fixtures" / "no_object_gather"
+    env = {"PYTHONPATH": os.pathsep.join([str(guard), os.environ.get("PYTHONPATH", "")])}
+    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks"]
+    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "4"]
+    torchrun(2, args, tmp_path, env=env)
+    assert len(losses(tmp_path)) == 4
