@@ -60,15 +60,38 @@ class LatencyObservation(NamedTuple):
     seconds: float  # measured fwd+bwd of that micro-batch on this stage
 
 
-@dataclass(frozen=True)
-class _Batch:
-    """Documents of several units, flattened once so each bisection step is vectorised."""
+@dataclass
+class UnitBatch:
+    """Documents of several units, flattened once so each bisection step is vectorised
+    (and, in DST, so one step's predictions, inversions and recall share one flattening)."""
 
     lengths: np.ndarray  # [D]
     unit: np.ndarray  # [D] unit index of each document
     rows: np.ndarray  # [D, J] attention seconds at each profiled density
     forced: np.ndarray  # [D] least possible density
     rest: np.ndarray  # [U] unscaled overhead + linear seconds
+    density_rows: tuple | None = None  # DensityModel.length_rows, made on first use
+
+    @property
+    def n_units(self) -> int:
+        return len(self.rest)
+
+    def subset(self, idx: np.ndarray) -> UnitBatch:
+        """The documents of units idx (in that order, renumbered 0..len(idx)-1), each
+        unit's documents in their original order: per-unit sums are unchanged."""
+        new_id = np.full(self.n_units, -1, dtype=np.int64)
+        new_id[idx] = np.arange(len(idx))
+        keep = np.flatnonzero(new_id[self.unit] >= 0)
+        order = keep[np.argsort(new_id[self.unit[keep]], kind="stable")]
+        dens = self.density_rows
+        return UnitBatch(
+            lengths=self.lengths[order],
+            unit=new_id[self.unit[order]],
+            rows=self.rows[order],
+            forced=self.forced[order],
+            rest=self.rest[idx],
+            density_rows=None if dens is None else tuple(a[order] for a in dens),
+        )
 
 
 def _as_unit(work: MicroBatch | Unit) -> list[MicroBatch]:
@@ -159,8 +182,8 @@ class CostModel:
         rho = np.clip(rho, self._dens[0], self._dens[-1])
         j = np.clip(np.searchsorted(self._dens, rho, side="right") - 1, 0, len(self._dens) - 2)
         s = (rho - self._dens[j]) / (self._dens[j + 1] - self._dens[j])
-        d = np.arange(len(rho))
-        return lerp(rows[d, j], rows[d, j + 1], s)
+        flat = np.arange(0, rows.size, rows.shape[1]) + j  # rows[d, j] without a 2-D gather
+        return lerp(rows.ravel()[flat], rows.ravel()[flat + 1], s)
 
     def _linear(self, tokens: np.ndarray) -> np.ndarray:
         """Token-linear seconds: piecewise linear; proportional below, last slope above."""
@@ -170,40 +193,44 @@ class CostModel:
         out = np.where(tokens < tok[0], lin[0] * tokens / tok[0], out)
         return np.where(tokens > tok[-1], lin[-1] + slope * (tokens - tok[-1]), out)
 
-    def _batch(self, units: Sequence[Unit]) -> _Batch:
-        lengths, unit_of_doc, mb_tokens, unit_of_mb = [], [], [], []
-        for u, unit in enumerate(units):
-            for mb in unit:
-                lens = [int(x) for x in mb]
-                if any(x < 0 for x in lens):
-                    raise ValueError(f"document lengths must be >= 0, got {lens}")
-                lengths += lens
-                unit_of_doc += [u] * len(lens)
-                mb_tokens.append(sum(lens))
-                unit_of_mb.append(u)
-        lengths_a = np.asarray(lengths, dtype=np.float64)
-        tokens = np.asarray(mb_tokens, dtype=np.float64)
+    def _batch(self, units: Sequence[Unit]) -> UnitBatch:
+        mbs = [mb for unit in units for mb in unit]
+        per_mb = np.fromiter(map(len, mbs), dtype=np.int64, count=len(mbs))
+        flat = [x for mb in mbs for x in mb]
+        ints = np.array(flat, dtype=np.float64 if not flat else None).astype(np.int64)
+        if (ints < 0).any():
+            bad = int(np.searchsorted(np.cumsum(per_mb), np.argmax(ints < 0), side="right"))
+            raise ValueError(f"document lengths must be >= 0, got {[int(x) for x in mbs[bad]]}")
+        lengths = ints.astype(np.float64)
+        mb_of_doc = np.repeat(np.arange(len(mbs)), per_mb)
+        tokens = np.bincount(mb_of_doc, lengths, len(mbs))  # integer sums: exact
+        per_unit = np.fromiter(map(len, units), dtype=np.int64, count=len(units))
+        unit_of_mb = np.repeat(np.arange(len(units)), per_unit)
         mb_rest = self._overhead + self._linear(tokens)
-        return _Batch(
-            lengths=lengths_a,
-            unit=np.asarray(unit_of_doc, dtype=np.int64),
-            rows=self._attn_rows(lengths_a),
-            forced=forced_density(lengths_a, self.block_size),
-            rest=np.bincount(np.asarray(unit_of_mb, dtype=np.int64), mb_rest, len(units)),
+        return UnitBatch(
+            lengths=lengths,
+            unit=unit_of_mb[mb_of_doc],
+            rows=self._attn_rows(lengths),
+            forced=forced_density(lengths, self.block_size),
+            rest=np.bincount(unit_of_mb, mb_rest, len(units)),
         )
 
-    def _unit_terms(self, batch: _Batch, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _unit_terms(self, batch: UnitBatch, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([U] attention, [U] rest) unscaled seconds, given every document's density."""
         attn = np.bincount(batch.unit, self._attn_at(batch.rows, rho), len(batch.rest))
         return attn, batch.rest
 
-    def _seconds(self, batch: _Batch, rho: np.ndarray) -> np.ndarray:
+    def _seconds(self, batch: UnitBatch, rho: np.ndarray) -> np.ndarray:
         attn, rest = self._unit_terms(batch, rho)
         return self.rest_scale * rest + self.attn_scale * attn
 
-    def _rho(self, batch: _Batch, beta: np.ndarray, policy: str) -> np.ndarray:
-        b = beta[batch.unit]
-        rho = b if policy == "topk" else self.density_model.predict(b, batch.lengths)
+    def _rho(self, batch: UnitBatch, beta: np.ndarray, policy: str) -> np.ndarray:
+        if policy == "topk":
+            rho = beta[batch.unit]
+        else:
+            if batch.density_rows is None:
+                batch.density_rows = self.density_model.length_rows(batch.lengths)
+            rho = self.density_model.predict_rows(batch.density_rows, beta, batch.unit)
         return np.minimum(1.0, np.maximum(rho, batch.forced))
 
     def _terms(self, doc_lens: MicroBatch, density: float | Sequence[float]) -> tuple[float, float]:
@@ -236,8 +263,17 @@ class CostModel:
     ) -> np.ndarray:
         """[U] seconds of each unit (sum over its micro-batches) at budget beta."""
         check_policy(policy)
-        batch = self._batch(units)
-        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (len(units),))
+        return self.predict_batch(self._batch(units), beta, policy)
+
+    def prepare(self, units: Sequence[Unit]) -> UnitBatch:
+        """Flatten units once for several `predict_batch` / `solve_budgets` calls."""
+        return self._batch(units)
+
+    def predict_batch(
+        self, batch: UnitBatch, beta: float | Sequence[float], policy: str
+    ) -> np.ndarray:
+        """`predict_units` on prepared units (bit-identical)."""
+        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (batch.n_units,))
         return self._seconds(batch, self._rho(batch, betas, policy))
 
     def predict_budget(self, work: MicroBatch | Unit, beta: float, policy: str) -> float:
@@ -260,13 +296,30 @@ class CostModel:
         one vectorised evaluation per step however many units there are.
         """
         check_policy(policy)
-        n = len(units)
+        beta, pred, clamped = self.solve_budgets(
+            self._batch(units), targets_s, policy, beta_min, beta_max
+        )
+        return [
+            BudgetSolution(float(x), float(p), int(c))
+            for x, p, c in zip(beta, pred, clamped, strict=True)
+        ]
+
+    def solve_budgets(
+        self,
+        batch: UnitBatch,
+        targets_s: float | Sequence[float],
+        policy: str,
+        beta_min: float | Sequence[float],
+        beta_max: float | Sequence[float],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`budgets_for` on prepared units, as arrays (budgets, seconds, clamped)."""
+        check_policy(policy)
+        n = batch.n_units
         lo = np.broadcast_to(np.asarray(beta_min, dtype=np.float64), (n,)).copy()
         hi = np.broadcast_to(np.asarray(beta_max, dtype=np.float64), (n,)).copy()
         if not ((lo > 0) & (lo <= hi) & (hi <= 1)).all():
             raise ValueError(f"need 0 < beta_min <= beta_max <= 1, got {beta_min}, {beta_max}")
         target = np.broadcast_to(np.asarray(targets_s, dtype=np.float64), (n,))
-        batch = self._batch(units)
         f = lambda beta: self._seconds(batch, self._rho(batch, beta, policy))
         slow, fits_hi = f(lo) > target, f(hi) <= target
         a, b = lo.copy(), hi.copy()
@@ -277,10 +330,7 @@ class CostModel:
         beta = np.where(slow, lo, np.where(fits_hi, hi, a))
         pred = f(beta)
         clamped = np.where(slow, -1, np.where(fits_hi & (pred < target), 1, 0))
-        return [
-            BudgetSolution(float(x), float(p), int(c))
-            for x, p, c in zip(beta, pred, clamped, strict=True)
-        ]
+        return beta, pred, clamped
 
     def budget_for(
         self,
