@@ -147,23 +147,31 @@ def recalled_tokens(
     """
     lengths = np.asarray([float(n) for unit in units for mb in unit for n in mb])
     unit_of = np.asarray([u for u, unit in enumerate(units) for mb in unit for _ in mb])
-    return _recalled(lengths, unit_of.astype(np.int64), len(units), beta, cost_model)
+    docs = _Docs(lengths, unit_of.astype(np.int64), len(units), cost_model)
+    return docs.attending_u, docs.recalled(beta)
 
 
-def _recalled(
-    lengths: np.ndarray,
-    unit: np.ndarray,
-    n_units: int,
-    beta: float | Sequence[float],
-    cost_model: CostModel,
-) -> tuple[np.ndarray, np.ndarray]:
-    """`recalled_tokens` on documents already flattened (lengths [D], unit index [D])."""
-    betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (n_units,))
-    attending = np.where(lengths > 1, lengths, 0.0)
-    sensitive = _sensitive(lengths, cost_model.block_size)
-    kept = cost_model.recall_model.predict(betas[unit], lengths) if lengths.size else lengths
-    recalled = attending - sensitive + sensitive * kept
-    return np.bincount(unit, attending, n_units), np.bincount(unit, recalled, n_units)
+class _Docs:
+    """A step's documents for the recall prediction, with everything that does not
+    depend on the budget computed once."""
+
+    def __init__(
+        self, lengths: np.ndarray, unit: np.ndarray, n_units: int, cost_model: CostModel
+    ) -> None:
+        self.unit, self.n_units, self.model = unit, n_units, cost_model.recall_model
+        attending = np.where(lengths > 1, lengths, 0.0)
+        self.sensitive = _sensitive(lengths, cost_model.block_size)
+        self.base = attending - self.sensitive
+        self.attending_u = np.bincount(unit, attending, n_units)
+        self.rows = self.model.length_rows(lengths) if lengths.size else None
+
+    def recalled(self, beta: float | Sequence[float]) -> np.ndarray:
+        """[U] predicted recalled tokens at a budget per unit."""
+        if self.rows is None:
+            return np.zeros(self.n_units)
+        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (self.n_units,))
+        kept = self.model.predict_rows(self.rows, betas, self.unit)
+        return np.bincount(self.unit, self.base + self.sensitive * kept, self.n_units)
 
 
 def sensitive_recall(
@@ -221,6 +229,7 @@ class _RecallTable:
     def __init__(
         self,
         batch: UnitBatch,
+        docs: _Docs,
         cost_model: CostModel,
         cfg: DSTConfig,
         policy: str,
@@ -231,9 +240,12 @@ class _RecallTable:
         high = np.linspace(cfg.beta0, cfg.beta_max, _TABLE_POINTS + 1)[1:]
         grid = np.concatenate([low, high])
         n = batch.n_units
-        seconds = [cost_model.predict_batch(batch, g, policy) for g in grid]
-        recalled = [_recalled(batch.lengths, batch.unit, n, g, cost_model)[1] for g in grid]
-        seconds[_TABLE_POINTS], recalled[_TABLE_POINTS] = before, static  # the same, exactly
+        mid = _TABLE_POINTS  # beta0's column: `before` and `static`, already predicted
+        seconds = [
+            before if k == mid else cost_model.predict_batch(batch, g, policy)
+            for k, g in enumerate(grid)
+        ]
+        recalled = [static if k == mid else docs.recalled(g) for k, g in enumerate(grid)]
         self.seconds = np.maximum.accumulate(np.stack(seconds, axis=1), axis=1)  # [U, G]
         self.recalled = np.stack(recalled, axis=1)
         self.before, self.static, self.p = before, static, cfg.p
@@ -270,6 +282,7 @@ class _RecallTable:
 
 def _recall_neutral_budgets(
     batch: UnitBatch,
+    docs: _Docs,
     cost_model: CostModel,
     cfg: DSTConfig,
     policy: str,
@@ -288,15 +301,14 @@ def _recall_neutral_budgets(
     is the table's interpolation error (or the last step).
     """
     need = math.fsum(static.tolist()) * (1 - 1e-12)
-    table = _RecallTable(batch, cost_model, cfg, policy, before, static)
+    table = _RecallTable(batch, docs, cost_model, cfg, policy, before, static)
     lo, top = float(before.min()), float(before.max())
     anchor = table.lowest_anchor(need)
     for k in range(_REFINE_ROUNDS):
         if k:  # interpolation was optimistic (typically at a unit leaving the band)
             anchor = min(top, anchor + (top - lo) * 2.0 ** (k - 14))
         solved = _budgets_at(batch, cost_model, cfg, policy, before, anchor)
-        kept = _recalled(batch.lengths, batch.unit, batch.n_units, solved[0], cost_model)[1]
-        if math.fsum(kept.tolist()) >= need:
+        if math.fsum(docs.recalled(solved[0]).tolist()) >= need:
             return anchor, solved
     return top, _budgets_at(batch, cost_model, cfg, policy, before, top)
 
@@ -313,13 +325,14 @@ def tune_budgets(
     batch = cost_model.prepare(units)
     n = batch.n_units
     before = cost_model.predict_batch(batch, cfg.beta0, policy)
-    attending, static = _recalled(batch.lengths, batch.unit, n, cfg.beta0, cost_model)
+    docs = _Docs(batch.lengths, batch.unit, n, cost_model)
+    attending, static = docs.attending_u, docs.recalled(cfg.beta0)
     if not cfg.enabled:  # the anchor is only logged
         anchor = _anchor(before, "mean" if cfg.anchor == "recall" else cfg.anchor)
         budgets, after, n_clamped = np.full(n, cfg.beta0), before.copy(), 0
     elif cfg.anchor == "recall":
         anchor, (budgets, after, n_clamped) = _recall_neutral_budgets(
-            batch, cost_model, cfg, policy, before, static
+            batch, docs, cost_model, cfg, policy, before, static
         )
     else:
         anchor = _anchor(before, cfg.anchor)
@@ -333,6 +346,6 @@ def tune_budgets(
         n_lowered=int((budgets < cfg.beta0).sum()),
         n_clamped=int(n_clamped),
         attending_tokens=attending.tolist(),
-        recalled_tokens=_recalled(batch.lengths, batch.unit, n, budgets, cost_model)[1].tolist(),
+        recalled_tokens=docs.recalled(budgets).tolist(),
         recalled_tokens_static=static.tolist(),
     )
