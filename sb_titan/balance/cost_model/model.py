@@ -245,6 +245,26 @@ class CostModel:
         attn, rest = self._unit_terms(batch, rho)
         return float(attn[0]), float(rest[0])
 
+    def _terms_many(
+        self, work: Sequence[tuple[MicroBatch, float | Sequence[float]]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`_terms` of many micro-batches in one batch (bit-identical per micro-batch:
+        each sum runs over the same documents in the same order)."""
+        batch = self._batch([[doc_lens] for doc_lens, _ in work])
+        counts = np.bincount(batch.unit, minlength=len(work))
+        rhos = []
+        for (_, density), n in zip(work, counts.tolist(), strict=True):
+            rho = np.asarray(density, dtype=np.float64)
+            if rho.ndim and rho.shape != (n,):
+                raise ValueError(f"{rho.size} densities for {n} documents")
+            rhos.append(np.broadcast_to(rho, (n,)))
+        rho = np.concatenate(rhos) if rhos else np.zeros(0)
+        bad = ~(np.isfinite(rho) & (rho >= 0) & (rho <= 1))
+        if bad.any():
+            density = work[int(batch.unit[np.argmax(bad)])][1]
+            raise ValueError(f"densities must lie in [0, 1], got {density}")
+        return self._unit_terms(batch, rho)
+
     # -- prediction
 
     def predict(self, doc_lens: MicroBatch, density: float | Sequence[float]) -> float:
@@ -353,16 +373,16 @@ class CostModel:
         Sums use math.fsum (exactly rounded, order-free), so identical observations on
         every rank give bit-identical scales.
         """
-        xs, zs = [], []
-        for doc_lens, densities, seconds in observations:
-            seconds = float(seconds)
-            if not (math.isfinite(seconds) and seconds > 0):
-                continue
-            attn, rest = self._terms(doc_lens, densities)
-            xs.append(attn / seconds)
-            zs.append(rest / seconds)
-        if not xs:
+        kept = [
+            (doc_lens, densities, float(seconds))
+            for doc_lens, densities, seconds in observations
+            if math.isfinite(float(seconds)) and float(seconds) > 0
+        ]
+        if not kept:
             return
+        attn, rest = self._terms_many([(lens, rho) for lens, rho, _ in kept])
+        seconds_a = np.asarray([s for _, _, s in kept])
+        xs, zs = (attn / seconds_a).tolist(), (rest / seconds_a).tolist()
         a0, b0 = self.attn_scale, self.rest_scale
         ape = math.fsum(abs(a0 * x + b0 * z - 1.0) for x, z in zip(xs, zs, strict=True)) / len(xs)
         self.ape_ema = (
