@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sb_titan.balance.cost_model.analytic import ANALYTIC_DEVICES, AnalyticSpec, analytic_profile
+from sb_titan.balance.cost_model.batch import UnitBatch
 from sb_titan.balance.cost_model.blocks import (
     MicroBatch,
     Unit,
@@ -58,40 +59,6 @@ class LatencyObservation(NamedTuple):
     doc_lens: Sequence[int]  # one micro-batch
     densities: float | Sequence[float]  # realised, scalar or per document
     seconds: float  # measured fwd+bwd of that micro-batch on this stage
-
-
-@dataclass
-class UnitBatch:
-    """Documents of several units, flattened once so each bisection step is vectorised
-    (and, in DST, so one step's predictions, inversions and recall share one flattening)."""
-
-    lengths: np.ndarray  # [D]
-    unit: np.ndarray  # [D] unit index of each document
-    rows: np.ndarray  # [D, J] attention seconds at each profiled density
-    forced: np.ndarray  # [D] least possible density
-    rest: np.ndarray  # [U] unscaled overhead + linear seconds
-    density_rows: tuple | None = None  # DensityModel.length_rows, made on first use
-
-    @property
-    def n_units(self) -> int:
-        return len(self.rest)
-
-    def subset(self, idx: np.ndarray) -> UnitBatch:
-        """The documents of units idx (in that order, renumbered 0..len(idx)-1), each
-        unit's documents in their original order: per-unit sums are unchanged."""
-        new_id = np.full(self.n_units, -1, dtype=np.int64)
-        new_id[idx] = np.arange(len(idx))
-        keep = np.flatnonzero(new_id[self.unit] >= 0)
-        order = keep[np.argsort(new_id[self.unit[keep]], kind="stable")]
-        dens = self.density_rows
-        return UnitBatch(
-            lengths=self.lengths[order],
-            unit=new_id[self.unit[order]],
-            rows=self.rows[order],
-            forced=self.forced[order],
-            rest=self.rest[idx],
-            density_rows=None if dens is None else tuple(a[order] for a in dens),
-        )
 
 
 def _as_unit(work: MicroBatch | Unit) -> list[MicroBatch]:
