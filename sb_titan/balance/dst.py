@@ -28,10 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sb_titan.balance.cost_model import POLICIES, CostModel, Unit
+from sb_titan.balance.cost_model import POLICIES, CostModel, Unit, UnitBatch
 
 ANCHORS = ("min", "mean", "median", "max", "recall")
-_ANCHOR_BISECT_STEPS = 24  # fixed (identical on every rank); 2**-24 of the range is plenty
+_ANCHOR_BISECT_STEPS = 40  # fixed (identical on every rank); on the table, so cheap
+_TABLE_POINTS = 16  # grid intervals on each side of beta0 in the recall table
+_REFINE_ROUNDS = 6  # exact checks of the recall anchor before falling back to max
 
 
 @dataclass(kw_only=True, slots=True)
@@ -143,16 +145,33 @@ def recalled_tokens(
     averages over); the first two blocks of a document keep all their mass, the rest
     `recall_model(beta, L)` of it.
     """
-    lengths = [float(n) for unit in units for mb in unit for n in mb]
-    unit_of = [u for u, unit in enumerate(units) for mb in unit for _ in mb]
-    lengths_a, unit_a = np.asarray(lengths), np.asarray(unit_of, dtype=np.int64)
-    betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (len(units),))
-    attending = np.where(lengths_a > 1, lengths_a, 0.0)
-    sensitive = _sensitive(lengths_a, cost_model.block_size)
-    kept = cost_model.recall_model.predict(betas[unit_a], lengths_a) if lengths else lengths_a
-    recalled = attending - sensitive + sensitive * kept
-    n = len(units)
-    return np.bincount(unit_a, attending, n), np.bincount(unit_a, recalled, n)
+    lengths = np.asarray([float(n) for unit in units for mb in unit for n in mb])
+    unit_of = np.asarray([u for u, unit in enumerate(units) for mb in unit for _ in mb])
+    docs = _Docs(lengths, unit_of.astype(np.int64), len(units), cost_model)
+    return docs.attending_u, docs.recalled(beta)
+
+
+class _Docs:
+    """A step's documents for the recall prediction, with everything that does not
+    depend on the budget computed once."""
+
+    def __init__(
+        self, lengths: np.ndarray, unit: np.ndarray, n_units: int, cost_model: CostModel
+    ) -> None:
+        self.unit, self.n_units, self.model = unit, n_units, cost_model.recall_model
+        attending = np.where(lengths > 1, lengths, 0.0)
+        self.sensitive = _sensitive(lengths, cost_model.block_size)
+        self.base = attending - self.sensitive
+        self.attending_u = np.bincount(unit, attending, n_units)
+        self.rows = self.model.length_rows(lengths) if lengths.size else None
+
+    def recalled(self, beta: float | Sequence[float]) -> np.ndarray:
+        """[U] predicted recalled tokens at a budget per unit."""
+        if self.rows is None:
+            return np.zeros(self.n_units)
+        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (self.n_units,))
+        kept = self.model.predict_rows(self.rows, betas, self.unit)
+        return np.bincount(self.unit, self.base + self.sensitive * kept, self.n_units)
 
 
 def sensitive_recall(
@@ -171,7 +190,7 @@ def sensitive_recall(
 
 
 def _budgets_at(
-    units: Sequence[Unit],
+    batch: UnitBatch,
     cost_model: CostModel,
     cfg: DSTConfig,
     policy: str,
@@ -179,7 +198,7 @@ def _budgets_at(
     anchor: float,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(budgets, predicted seconds, clamped count) with every unit pulled toward anchor."""
-    budgets = np.full(len(units), cfg.beta0)
+    budgets = np.full(batch.n_units, cfg.beta0)
     after = before.copy()
     n_clamped = 0
     slow = before > anchor * (1 + cfg.p)
@@ -188,41 +207,110 @@ def _budgets_at(
     if idx.size:
         # Bottlenecks search [beta_min, beta0], the rest [beta0, beta_max]: a unit is
         # never pushed the wrong way.
-        solutions = cost_model.budgets_for(
-            [units[i] for i in idx],
+        beta, seconds, clamped = cost_model.solve_budgets(
+            batch.subset(idx),
             anchor,
             policy,
             beta_min=np.where(slow[idx], cfg.beta_min, cfg.beta0),
             beta_max=np.where(slow[idx], cfg.beta0, cfg.beta_max),
         )
-        for i, sol in zip(idx.tolist(), solutions, strict=True):
-            budgets[i], after[i] = sol.beta, sol.predicted_s
-            n_clamped += sol.clamped != 0
+        budgets[idx], after[idx] = beta, seconds
+        n_clamped = int((clamped != 0).sum())
     return budgets, after, n_clamped
 
 
-def _recall_neutral_anchor(
-    units: Sequence[Unit], cost_model: CostModel, cfg: DSTConfig, policy: str, before: np.ndarray
-) -> float:
-    """The lowest anchor whose budgets keep the predicted recalled tokens at beta0's.
+class _RecallTable:
+    """Every unit's predicted seconds and recalled tokens at a fixed grid of budgets
+    (beta_min .. beta0 .. beta_max, beta0 a grid point), built with one vectorised
+    prediction per grid point. Between grid points both are interpolated linearly, so
+    the recalled tokens a unit keeps when pulled to an anchor are a lookup on its row:
+    a whole step's recall at any anchor costs O(units x grid), no re-prediction."""
+
+    def __init__(
+        self,
+        batch: UnitBatch,
+        docs: _Docs,
+        cost_model: CostModel,
+        cfg: DSTConfig,
+        policy: str,
+        before: np.ndarray,
+        static: np.ndarray,
+    ) -> None:
+        low = np.linspace(cfg.beta_min, cfg.beta0, _TABLE_POINTS + 1)
+        high = np.linspace(cfg.beta0, cfg.beta_max, _TABLE_POINTS + 1)[1:]
+        grid = np.concatenate([low, high])
+        n = batch.n_units
+        mid = _TABLE_POINTS  # beta0's column: `before` and `static`, already predicted
+        seconds = [
+            before if k == mid else cost_model.predict_batch(batch, g, policy)
+            for k, g in enumerate(grid)
+        ]
+        recalled = [static if k == mid else docs.recalled(g) for k, g in enumerate(grid)]
+        self.seconds = np.maximum.accumulate(np.stack(seconds, axis=1), axis=1)  # [U, G]
+        self.recalled = np.stack(recalled, axis=1)
+        self.before, self.static, self.p = before, static, cfg.p
+        self._rows = np.arange(n)
+
+    def recalled_at(self, anchor: float) -> float:
+        """The step's recalled tokens (interpolated) with every unit pulled to anchor."""
+        t, r, rows = self.seconds, self.recalled, self._rows
+        # Largest grid column within the anchor; a slow unit's lies left of beta0's
+        # column, a fast unit's right of it (its row passes through `before` there).
+        k = np.clip((t <= anchor).sum(axis=1) - 1, 0, t.shape[1] - 2)
+        lo, hi = t[rows, k], t[rows, k + 1]
+        span = hi - lo
+        frac = np.where(
+            span > 0,
+            np.clip((anchor - lo) / np.where(span > 0, span, 1.0), 0.0, 1.0),
+            (hi <= anchor).astype(np.float64),
+        )
+        moved = r[rows, k] + frac * (r[rows, k + 1] - r[rows, k])
+        band = (self.before <= anchor * (1 + self.p)) & (self.before >= anchor * (1 - self.p))
+        return math.fsum(np.where(band, self.static, moved).tolist())
+
+    def lowest_anchor(self, need: float) -> float:
+        """Fixed-step bisection on the table (cheap: no re-prediction) for the lowest
+        anchor whose interpolated recall reaches need."""
+        lo, hi = float(self.before.min()), float(self.before.max())
+        if self.recalled_at(lo) >= need:
+            return lo
+        for _ in range(_ANCHOR_BISECT_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if self.recalled_at(mid) >= need else (mid, hi)
+        return hi
+
+
+def _recall_neutral_budgets(
+    batch: UnitBatch,
+    docs: _Docs,
+    cost_model: CostModel,
+    cfg: DSTConfig,
+    policy: str,
+    before: np.ndarray,
+    static: np.ndarray,
+) -> tuple[float, tuple[np.ndarray, np.ndarray, int]]:
+    """The lowest anchor whose budgets keep the predicted recalled tokens at beta0's,
+    and those budgets.
 
     Budgets only rise with the anchor, and at max(before) nobody is lowered, so the
-    condition is monotone and holds at the top: a fixed-step bisection finds the edge.
+    condition is monotone and holds at the top. The anchor is searched on the
+    interpolated `_RecallTable`, then its budgets are solved exactly and their recall
+    checked exactly; if interpolation was optimistic the anchor steps up (doubling
+    steps from 2**-13 of the range, a few rounds, then max(before), which always keeps
+    recall). So the recall guarantee is exact; the anchor's excess over the exact edge
+    is the table's interpolation error (or the last step).
     """
-    need = math.fsum(recalled_tokens(units, cfg.beta0, cost_model)[1].tolist())
-
-    def keeps_recall(anchor: float) -> bool:
-        budgets = _budgets_at(units, cost_model, cfg, policy, before, anchor)[0]
-        recalled = recalled_tokens(units, budgets, cost_model)[1]
-        return math.fsum(recalled.tolist()) >= need * (1 - 1e-12)
-
-    lo, hi = float(before.min()), float(before.max())
-    if keeps_recall(lo):
-        return lo
-    for _ in range(_ANCHOR_BISECT_STEPS):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if keeps_recall(mid) else (mid, hi)
-    return hi
+    need = math.fsum(static.tolist()) * (1 - 1e-12)
+    table = _RecallTable(batch, docs, cost_model, cfg, policy, before, static)
+    lo, top = float(before.min()), float(before.max())
+    anchor = table.lowest_anchor(need)
+    for k in range(_REFINE_ROUNDS):
+        if k:  # interpolation was optimistic (typically at a unit leaving the band)
+            anchor = min(top, anchor + (top - lo) * 2.0 ** (k - 14))
+        solved = _budgets_at(batch, cost_model, cfg, policy, before, anchor)
+        if math.fsum(docs.recalled(solved[0]).tolist()) >= need:
+            return anchor, solved
+    return top, _budgets_at(batch, cost_model, cfg, policy, before, top)
 
 
 def tune_budgets(
@@ -234,16 +322,21 @@ def tune_budgets(
         raise ValueError("tune_budgets: need at least one unit, each with >= 1 micro-batch")
     if policy not in POLICIES:
         raise ValueError(f"tune_budgets: policy must be one of {POLICIES}, got {policy!r}")
-    before = cost_model.predict_units(units, cfg.beta0, policy)
-    if cfg.anchor == "recall" and cfg.enabled:
-        anchor = _recall_neutral_anchor(units, cost_model, cfg, policy, before)
-    else:  # (disabled: the anchor is only logged)
+    batch = cost_model.prepare(units)
+    n = batch.n_units
+    before = cost_model.predict_batch(batch, cfg.beta0, policy)
+    docs = _Docs(batch.lengths, batch.unit, n, cost_model)
+    attending, static = docs.attending_u, docs.recalled(cfg.beta0)
+    if not cfg.enabled:  # the anchor is only logged
         anchor = _anchor(before, "mean" if cfg.anchor == "recall" else cfg.anchor)
-    attending, static = recalled_tokens(units, cfg.beta0, cost_model)
-    if cfg.enabled:
-        budgets, after, n_clamped = _budgets_at(units, cost_model, cfg, policy, before, anchor)
+        budgets, after, n_clamped = np.full(n, cfg.beta0), before.copy(), 0
+    elif cfg.anchor == "recall":
+        anchor, (budgets, after, n_clamped) = _recall_neutral_budgets(
+            batch, docs, cost_model, cfg, policy, before, static
+        )
     else:
-        budgets, after, n_clamped = np.full(len(units), cfg.beta0), before.copy(), 0
+        anchor = _anchor(before, cfg.anchor)
+        budgets, after, n_clamped = _budgets_at(batch, cost_model, cfg, policy, before, anchor)
     return DSTDecision(
         budgets=budgets.tolist(),
         anchor_s=anchor,
@@ -253,6 +346,6 @@ def tune_budgets(
         n_lowered=int((budgets < cfg.beta0).sum()),
         n_clamped=int(n_clamped),
         attending_tokens=attending.tolist(),
-        recalled_tokens=recalled_tokens(units, budgets, cost_model)[1].tolist(),
+        recalled_tokens=docs.recalled(budgets).tolist(),
         recalled_tokens_static=static.tolist(),
     )

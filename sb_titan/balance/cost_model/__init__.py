@@ -24,6 +24,7 @@ from sb_titan.balance.cost_model.model import (
     CostModel,
     CostModelConfig,
     LatencyObservation,
+    UnitBatch,
     build_cost_model,
 )
 from sb_titan.balance.cost_model.profile import Profile, ProfileError, ProfileNotFoundError
@@ -44,6 +45,7 @@ __all__ = [
     "ProfileNotFoundError",
     "RecallModel",
     "Unit",
+    "UnitBatch",
     "analytic_profile",
     "analytic_spec",
     "analytic_stage_spec",

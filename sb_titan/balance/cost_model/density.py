@@ -111,6 +111,33 @@ class DensityModel:
         t = self.table
         return lerp(lerp(t[i, j], t[i, j + 1], v), lerp(t[i + 1, j], t[i + 1, j + 1], v), u)
 
+    def length_rows(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(table row at each length's lower knot [D, K], at its upper knot [D, K], weight
+        [D]): the budget-independent half of `predict`, done once per document so a
+        bisection over budgets only redoes the other half (`predict_rows`)."""
+        x, _ = self._coords(np.zeros(1), np.asarray(lengths, dtype=np.float64))
+        i = np.minimum(np.floor(x).astype(np.int64), self.count.shape[0] - 2)
+        return self.table[i], self.table[i + 1], x - i
+
+    def predict_rows(
+        self,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray],
+        beta: np.ndarray,
+        index: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`predict` from `length_rows` at budget beta[index[d]] for document d (beta
+        per document without index): the same arithmetic in the same order, so
+        bit-identical to it; the budget's half is done once per distinct budget."""
+        lo, hi, u = rows
+        y = np.clip(beta * self.beta_knots - 1.0, 0.0, self.beta_knots - 1)
+        j = np.minimum(np.floor(y).astype(np.int64), self.beta_knots - 2)
+        v = y - j
+        if index is not None:
+            j, v = j[index], v[index]
+        flat = np.arange(0, lo.size, lo.shape[1]) + j  # [d, j] without a 2-D gather
+        lo, hi = lo.ravel(), hi.ravel()
+        return lerp(lerp(lo[flat], lo[flat + 1], v), lerp(hi[flat], hi[flat + 1], v), u)
+
     def update(self, observations: Iterable[tuple[float, int, float]]) -> None:
         """Fold in (beta, length, realised density) triples, in the order given."""
         obs = np.asarray(list(observations), dtype=np.float64).reshape(-1, 3)

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sb_titan.balance.cost_model.analytic import ANALYTIC_DEVICES, AnalyticSpec, analytic_profile
+from sb_titan.balance.cost_model.batch import UnitBatch
 from sb_titan.balance.cost_model.blocks import (
     MicroBatch,
     Unit,
@@ -58,17 +59,6 @@ class LatencyObservation(NamedTuple):
     doc_lens: Sequence[int]  # one micro-batch
     densities: float | Sequence[float]  # realised, scalar or per document
     seconds: float  # measured fwd+bwd of that micro-batch on this stage
-
-
-@dataclass(frozen=True)
-class _Batch:
-    """Documents of several units, flattened once so each bisection step is vectorised."""
-
-    lengths: np.ndarray  # [D]
-    unit: np.ndarray  # [D] unit index of each document
-    rows: np.ndarray  # [D, J] attention seconds at each profiled density
-    forced: np.ndarray  # [D] least possible density
-    rest: np.ndarray  # [U] unscaled overhead + linear seconds
 
 
 def _as_unit(work: MicroBatch | Unit) -> list[MicroBatch]:
@@ -159,8 +149,8 @@ class CostModel:
         rho = np.clip(rho, self._dens[0], self._dens[-1])
         j = np.clip(np.searchsorted(self._dens, rho, side="right") - 1, 0, len(self._dens) - 2)
         s = (rho - self._dens[j]) / (self._dens[j + 1] - self._dens[j])
-        d = np.arange(len(rho))
-        return lerp(rows[d, j], rows[d, j + 1], s)
+        flat = np.arange(0, rows.size, rows.shape[1]) + j  # rows[d, j] without a 2-D gather
+        return lerp(rows.ravel()[flat], rows.ravel()[flat + 1], s)
 
     def _linear(self, tokens: np.ndarray) -> np.ndarray:
         """Token-linear seconds: piecewise linear; proportional below, last slope above."""
@@ -170,40 +160,44 @@ class CostModel:
         out = np.where(tokens < tok[0], lin[0] * tokens / tok[0], out)
         return np.where(tokens > tok[-1], lin[-1] + slope * (tokens - tok[-1]), out)
 
-    def _batch(self, units: Sequence[Unit]) -> _Batch:
-        lengths, unit_of_doc, mb_tokens, unit_of_mb = [], [], [], []
-        for u, unit in enumerate(units):
-            for mb in unit:
-                lens = [int(x) for x in mb]
-                if any(x < 0 for x in lens):
-                    raise ValueError(f"document lengths must be >= 0, got {lens}")
-                lengths += lens
-                unit_of_doc += [u] * len(lens)
-                mb_tokens.append(sum(lens))
-                unit_of_mb.append(u)
-        lengths_a = np.asarray(lengths, dtype=np.float64)
-        tokens = np.asarray(mb_tokens, dtype=np.float64)
+    def _batch(self, units: Sequence[Unit]) -> UnitBatch:
+        mbs = [mb for unit in units for mb in unit]
+        per_mb = np.fromiter(map(len, mbs), dtype=np.int64, count=len(mbs))
+        flat = [x for mb in mbs for x in mb]
+        ints = np.array(flat, dtype=np.float64 if not flat else None).astype(np.int64)
+        if (ints < 0).any():
+            bad = int(np.searchsorted(np.cumsum(per_mb), np.argmax(ints < 0), side="right"))
+            raise ValueError(f"document lengths must be >= 0, got {[int(x) for x in mbs[bad]]}")
+        lengths = ints.astype(np.float64)
+        mb_of_doc = np.repeat(np.arange(len(mbs)), per_mb)
+        tokens = np.bincount(mb_of_doc, lengths, len(mbs))  # integer sums: exact
+        per_unit = np.fromiter(map(len, units), dtype=np.int64, count=len(units))
+        unit_of_mb = np.repeat(np.arange(len(units)), per_unit)
         mb_rest = self._overhead + self._linear(tokens)
-        return _Batch(
-            lengths=lengths_a,
-            unit=np.asarray(unit_of_doc, dtype=np.int64),
-            rows=self._attn_rows(lengths_a),
-            forced=forced_density(lengths_a, self.block_size),
-            rest=np.bincount(np.asarray(unit_of_mb, dtype=np.int64), mb_rest, len(units)),
+        return UnitBatch(
+            lengths=lengths,
+            unit=unit_of_mb[mb_of_doc],
+            rows=self._attn_rows(lengths),
+            forced=forced_density(lengths, self.block_size),
+            rest=np.bincount(unit_of_mb, mb_rest, len(units)),
         )
 
-    def _unit_terms(self, batch: _Batch, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _unit_terms(self, batch: UnitBatch, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """([U] attention, [U] rest) unscaled seconds, given every document's density."""
         attn = np.bincount(batch.unit, self._attn_at(batch.rows, rho), len(batch.rest))
         return attn, batch.rest
 
-    def _seconds(self, batch: _Batch, rho: np.ndarray) -> np.ndarray:
+    def _seconds(self, batch: UnitBatch, rho: np.ndarray) -> np.ndarray:
         attn, rest = self._unit_terms(batch, rho)
         return self.rest_scale * rest + self.attn_scale * attn
 
-    def _rho(self, batch: _Batch, beta: np.ndarray, policy: str) -> np.ndarray:
-        b = beta[batch.unit]
-        rho = b if policy == "topk" else self.density_model.predict(b, batch.lengths)
+    def _rho(self, batch: UnitBatch, beta: np.ndarray, policy: str) -> np.ndarray:
+        if policy == "topk":
+            rho = beta[batch.unit]
+        else:
+            if batch.density_rows is None:
+                batch.density_rows = self.density_model.length_rows(batch.lengths)
+            rho = self.density_model.predict_rows(batch.density_rows, beta, batch.unit)
         return np.minimum(1.0, np.maximum(rho, batch.forced))
 
     def _terms(self, doc_lens: MicroBatch, density: float | Sequence[float]) -> tuple[float, float]:
@@ -217,6 +211,26 @@ class CostModel:
             raise ValueError(f"densities must lie in [0, 1], got {density}")
         attn, rest = self._unit_terms(batch, rho)
         return float(attn[0]), float(rest[0])
+
+    def _terms_many(
+        self, work: Sequence[tuple[MicroBatch, float | Sequence[float]]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`_terms` of many micro-batches in one batch (bit-identical per micro-batch:
+        each sum runs over the same documents in the same order)."""
+        batch = self._batch([[doc_lens] for doc_lens, _ in work])
+        counts = np.bincount(batch.unit, minlength=len(work))
+        rhos = []
+        for (_, density), n in zip(work, counts.tolist(), strict=True):
+            rho = np.asarray(density, dtype=np.float64)
+            if rho.ndim and rho.shape != (n,):
+                raise ValueError(f"{rho.size} densities for {n} documents")
+            rhos.append(np.broadcast_to(rho, (n,)))
+        rho = np.concatenate(rhos) if rhos else np.zeros(0)
+        bad = ~(np.isfinite(rho) & (rho >= 0) & (rho <= 1))
+        if bad.any():
+            density = work[int(batch.unit[np.argmax(bad)])][1]
+            raise ValueError(f"densities must lie in [0, 1], got {density}")
+        return self._unit_terms(batch, rho)
 
     # -- prediction
 
@@ -236,8 +250,17 @@ class CostModel:
     ) -> np.ndarray:
         """[U] seconds of each unit (sum over its micro-batches) at budget beta."""
         check_policy(policy)
-        batch = self._batch(units)
-        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (len(units),))
+        return self.predict_batch(self._batch(units), beta, policy)
+
+    def prepare(self, units: Sequence[Unit]) -> UnitBatch:
+        """Flatten units once for several `predict_batch` / `solve_budgets` calls."""
+        return self._batch(units)
+
+    def predict_batch(
+        self, batch: UnitBatch, beta: float | Sequence[float], policy: str
+    ) -> np.ndarray:
+        """`predict_units` on prepared units (bit-identical)."""
+        betas = np.broadcast_to(np.asarray(beta, dtype=np.float64), (batch.n_units,))
         return self._seconds(batch, self._rho(batch, betas, policy))
 
     def predict_budget(self, work: MicroBatch | Unit, beta: float, policy: str) -> float:
@@ -260,13 +283,30 @@ class CostModel:
         one vectorised evaluation per step however many units there are.
         """
         check_policy(policy)
-        n = len(units)
+        beta, pred, clamped = self.solve_budgets(
+            self._batch(units), targets_s, policy, beta_min, beta_max
+        )
+        return [
+            BudgetSolution(float(x), float(p), int(c))
+            for x, p, c in zip(beta, pred, clamped, strict=True)
+        ]
+
+    def solve_budgets(
+        self,
+        batch: UnitBatch,
+        targets_s: float | Sequence[float],
+        policy: str,
+        beta_min: float | Sequence[float],
+        beta_max: float | Sequence[float],
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`budgets_for` on prepared units, as arrays (budgets, seconds, clamped)."""
+        check_policy(policy)
+        n = batch.n_units
         lo = np.broadcast_to(np.asarray(beta_min, dtype=np.float64), (n,)).copy()
         hi = np.broadcast_to(np.asarray(beta_max, dtype=np.float64), (n,)).copy()
         if not ((lo > 0) & (lo <= hi) & (hi <= 1)).all():
             raise ValueError(f"need 0 < beta_min <= beta_max <= 1, got {beta_min}, {beta_max}")
         target = np.broadcast_to(np.asarray(targets_s, dtype=np.float64), (n,))
-        batch = self._batch(units)
         f = lambda beta: self._seconds(batch, self._rho(batch, beta, policy))
         slow, fits_hi = f(lo) > target, f(hi) <= target
         a, b = lo.copy(), hi.copy()
@@ -277,10 +317,7 @@ class CostModel:
         beta = np.where(slow, lo, np.where(fits_hi, hi, a))
         pred = f(beta)
         clamped = np.where(slow, -1, np.where(fits_hi & (pred < target), 1, 0))
-        return [
-            BudgetSolution(float(x), float(p), int(c))
-            for x, p, c in zip(beta, pred, clamped, strict=True)
-        ]
+        return beta, pred, clamped
 
     def budget_for(
         self,
@@ -303,16 +340,16 @@ class CostModel:
         Sums use math.fsum (exactly rounded, order-free), so identical observations on
         every rank give bit-identical scales.
         """
-        xs, zs = [], []
-        for doc_lens, densities, seconds in observations:
-            seconds = float(seconds)
-            if not (math.isfinite(seconds) and seconds > 0):
-                continue
-            attn, rest = self._terms(doc_lens, densities)
-            xs.append(attn / seconds)
-            zs.append(rest / seconds)
-        if not xs:
+        kept = [
+            (doc_lens, densities, float(seconds))
+            for doc_lens, densities, seconds in observations
+            if math.isfinite(float(seconds)) and float(seconds) > 0
+        ]
+        if not kept:
             return
+        attn, rest = self._terms_many([(lens, rho) for lens, rho, _ in kept])
+        seconds_a = np.asarray([s for _, _, s in kept])
+        xs, zs = (attn / seconds_a).tolist(), (rest / seconds_a).tolist()
         a0, b0 = self.attn_scale, self.rest_scale
         ape = math.fsum(abs(a0 * x + b0 * z - 1.0) for x, z in zip(xs, zs, strict=True)) / len(xs)
         self.ape_ema = (

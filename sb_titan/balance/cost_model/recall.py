@@ -100,6 +100,36 @@ class RecallModel:
         overshoot = self._uniform(beta, lengths) + self._correction(lengths)
         return np.clip(beta + overshoot, beta, 1.0)
 
+    def length_rows(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flat prior offset of each length's lower knot, weight, correction) [D]: the
+        budget-independent half of `predict`, done once per document (`predict_rows`)."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        x = self._x(lengths)
+        i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
+        return i * self._prior.shape[1], x - i, self._correction(lengths)
+
+    def predict_rows(
+        self,
+        rows: tuple[np.ndarray, np.ndarray, np.ndarray],
+        beta: np.ndarray,
+        index: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """`predict` from `length_rows` at budget beta[index[d]] for document d (beta
+        per document without index): the same arithmetic in the same order, so
+        bit-identical to it."""
+        base, u, correction = rows
+        beta = np.asarray(beta, dtype=np.float64)
+        y = np.clip(beta, 0.0, 1.0) * _BETA_GRID
+        j = np.minimum(np.floor(y).astype(np.int64), _BETA_GRID - 1)
+        v = y - j
+        if index is not None:
+            beta, j, v = beta[index], j[index], v[index]
+        p, flat, up = self._prior.ravel(), base + j, base + self._prior.shape[1] + j
+        uniform = (1 - u) * ((1 - v) * p[flat] + v * p[flat + 1]) + u * (
+            (1 - v) * p[up] + v * p[up + 1]
+        )
+        return np.clip(beta + (uniform + correction), beta, 1.0)
+
     def update(self, observations: Iterable[tuple[float, int, float]]) -> None:
         """Fold in (beta, length, kept mass) triples: per knot, the mean of what was kept
         beyond the prior (exact up to max_count observations, then an EMA: attention
