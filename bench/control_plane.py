@@ -1,6 +1,7 @@
 """SparseBalance's own per-step cost (the control plane) beside the step it steers.
 
     python bench/control_plane.py [--units 8,64,256,1024,2048,4096] [--repeats 3]
+                                  [--exchange-ranks 2,4]
 
 Per scale (DST units = DP x 8 micro-batches at PP 4, so 2048 units = 1024 GPUs): CPU
 seconds of SAB planning (`sab.Planner.next_step`, the planner the loader runs), of
@@ -9,7 +10,10 @@ recall model updates (what every rank runs after the step's all-gather), beside 
 simulated step time of that setting (`sb_titan.simulator`: the analytic H200 model of
 Qwen2.5-3B, longtail-v1 documents in 64K rows, SAB+DST). DST runs inside every rank's
 step, so its share of the step is what costs throughput; the target is <= 1%.
-The exchange of measurements between ranks is not timed here (`exchange_s`: null).
+The measurement exchange (encode, one all-gather of the fixed-size float64 buffer,
+decode: `sb_titan.runtime.measurements`) is timed on 2 and 4 real gloo ranks under
+torchrun (`exchange`); its cost grows with the world size, which a CPU host cannot
+reach, so it is reported beside the table, not per scale.
 
 Timings are medians over `--repeats` calls on this CPU (planning: steps after the
 first, whose piece-cost cache is cold). Writes bench/results/control_plane.json.
@@ -24,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,8 +118,52 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
         "dst_over_step": ratio,
         "dst_within_target": {a: r <= TARGET for a, r in ratio.items()},
         "refit_s": statistics.median(refit.seconds),
-        "exchange_s": None,
     }
+
+
+def _exchange_worker(microbatches: int, repeats: int) -> None:
+    """One torchrun rank: time encode + all_gather_flat + decode of a step's measurements
+    (`microbatches` timed, with stats); rank 0 prints the median seconds as JSON."""
+    import random
+
+    import torch.distributed as dist
+
+    from sb_titan.runtime.measurements import (
+        all_gather_flat,
+        decode_measurements,
+        encode_measurements,
+    )
+
+    dist.init_process_group("gloo")
+    rng = random.Random(dist.get_rank())
+    local = {
+        "dp": dist.get_rank(),
+        "pp": 0,
+        "seconds": {mb: rng.random() for mb in range(microbatches)},
+        "stats": {mb: [rng.random(), 1.0, rng.random(), 64.0] for mb in range(microbatches)},
+        "step_seconds": 1.0,
+    }
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        decode_measurements(all_gather_flat(encode_measurements(local, microbatches)), microbatches)
+        times.append(time.perf_counter() - t0)
+    if dist.get_rank() == 0:
+        print(json.dumps({"median_s": statistics.median(times), "repeats": repeats}))
+    dist.destroy_process_group()
+
+
+def measure_exchange(ranks: int, repeats: int = 200) -> dict:
+    """The exchange on `ranks` real gloo processes (torchrun, one host)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={ranks}", __file__, "--exchange-worker", "--repeats", str(repeats)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"exchange on {ranks} ranks failed:\n{proc.stderr[-2000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"ranks": ranks, "microbatches": MICROBATCHES, **result}
 
 
 def table(rows: list[dict]) -> str:
@@ -139,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--units", default="8,64,256,1024,2048,4096", help="comma-separated")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(OUT), help="JSON path ('' for none)")
+    ap.add_argument("--exchange-ranks", default="2,4", help="gloo ranks ('' to skip)")
+    ap.add_argument("--exchange-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.exchange_worker:
+        _exchange_worker(MICROBATCHES, args.repeats)
+        return 0
     try:
         scales = [int(u) for u in args.units.split(",")]
     except ValueError:
@@ -151,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(units, args.repeats))
         print(f"[control_plane] {units} units done", file=sys.stderr)
     print(table(rows))
+    ranks = [int(r) for r in args.exchange_ranks.split(",") if r]
+    exchange = [measure_exchange(r) for r in ranks]
+    for e in exchange:
+        print(f"measurement exchange, {e['ranks']} gloo ranks: {e['median_s'] * 1e3:.3f} ms")
     if args.out:
         result = {
             "scenario": "analytic H200 Qwen2.5-3B (sb_titan.simulator), longtail-v1, 64K rows, "
@@ -161,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "load_average": os.getloadavg(),
             "rows": rows,
+            "exchange": exchange,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

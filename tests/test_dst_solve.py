@@ -156,9 +156,14 @@ def test_control_plane_bench_small_mode(tmp_path):
     finally:
         sys.path.remove(str(REPO / "bench"))
     out = tmp_path / "cp.json"
-    assert control_plane.main(["--units", "8", "--repeats", "1", "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
-    assert row["units"] == 8 and row["gpus"] == 4 and row["exchange_s"] is None
+    args = ["--units", "8", "--repeats", "1", "--exchange-ranks", "2", "--out", str(out)]
+    assert control_plane.main(args) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["units"] == 8 and row["gpus"] == 4
+    # the exchange ran on 2 real gloo ranks (encode, one all-gather, decode)
+    (exchange,) = result["exchange"]
+    assert exchange["ranks"] == 2 and exchange["median_s"] > 0
     for a, s in row["dst_s"].items():
         assert s > 0 and row["step_s"][a] > 1.0  # a 3B model's 64K rows: seconds per step
         assert row["dst_over_step"][a] == pytest.approx(s / row["step_s"][a])

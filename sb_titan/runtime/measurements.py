@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import sensitive_recall
@@ -194,3 +195,12 @@ class StepMeasurements:
             kept, tokens = np.sum(list(self.recall.values()), axis=0)
             out["sparsity/recall"] = float(kept / tokens) if tokens > 0 else 1.0
         return out
+
+
+def all_gather_flat(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D `x`, concatenated in rank order: one collective on gloo and NCCL
+    (gloo takes only the flat output form; NCCL needs `x` on the rank's device)."""
+    out = x.new_empty(dist.get_world_size() * x.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x)
+    return out

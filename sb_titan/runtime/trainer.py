@@ -57,6 +57,7 @@ from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
     StepMeasurements,
+    all_gather_flat,
     decode_measurements,
     encode_measurements,
 )
@@ -218,7 +219,7 @@ class SBTrainer(Trainer):
     def _after_step(self, step_seconds: float) -> None:
         """Gather every rank's measurements; all ranks then do identical work with them."""
         local = encode_measurements(self._local_measurements(step_seconds), self._microbatches)
-        gathered = _all_gather_flat(local.to(self.device))
+        gathered = all_gather_flat(local.to(self.device))
         plan = self._step_plan
         if plan is None:
             return
@@ -447,15 +448,6 @@ def _assert_same_everywhere(digest: str, what: str) -> None:
     dist.all_gather_object(digests, digest)
     if len(set(digests)) != 1:
         raise RuntimeError(f"ranks disagree on {what}: {digests}")
-
-
-def _all_gather_flat(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's 1-D `x`, concatenated in rank order: one collective on gloo and NCCL
-    (gloo takes only the flat output form; NCCL needs `x` on the rank's device)."""
-    out = x.new_empty(dist.get_world_size() * x.numel())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x)
-    return out
 
 
 def _now(device: torch.device) -> float:
