@@ -184,6 +184,14 @@ def test_cli_json_keys_and_plot(tmp_path, capsys):
     for r in rep["variants"].values():
         assert keys <= set(r)
     assert rep["variants"]["baseline"]["speedup_vs_baseline"] == pytest.approx(1.0)
+    # DST's measured time is added to the step where it runs (inside it, not overlapped)
+    base = rep["variants"]["baseline"]
+    for r in rep["variants"].values():
+        assert r["control_s"] > 0
+        with_control = (r["tokens_per_step"] / (r["step_time_s"] + r["control_s"])) / (
+            base["tokens_per_step"] / (base["step_time_s"] + base["control_s"])
+        )  # one step: the means are the step's values
+        assert r["speedup_with_control_vs_baseline"] == pytest.approx(with_control)
     assert rep["setup"]["gpus"] == 4 and rep["assumptions"]["device"]["name"] == "h200"
     assert "baseline" in capsys.readouterr().out
     if "--plot" in argv:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -85,6 +86,7 @@ class StepResult:
     tokens: int  # trained this step (padding excluded)
     budgets_digest: str  # DSTDecision.digest(): what a trainer rank would log
     padding: float  # share of the step's row capacity left empty
+    control_s: float = 0.0  # measured CPU seconds of DST, which runs inside the step
     timeline: Timeline | None = None
 
 
@@ -126,9 +128,11 @@ class Simulator:
     def run_step(self, plan: StepPlan, variant: str, keep_timeline: bool = False) -> StepResult:
         """One variant of one step: budget it, time every stage, replay, reduce."""
         c = self.cluster
+        start = time.perf_counter()
         budgets, decision = step_budgets(
             plan, self.models.planning, self.dst_config(variant), self.selection, c.pp > 1
         )
+        control_s = time.perf_counter() - start
         budgets = np.asarray(budgets)
         total = self.stage_seconds(plan, budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
@@ -159,5 +163,6 @@ class Simulator:
             tokens=int(tokens.sum()),
             budgets_digest=decision.digest(),
             padding=1.0 - float(tokens.sum()) / capacity,
+            control_s=control_s,
             timeline=tl if keep_timeline else None,
         )
