@@ -303,20 +303,24 @@ def check_table(table: BlockTable, batch: int, num_kv_heads: int, seq_len: int) 
         flat = ptr.flatten(0, 1)
         if not bool((flat[1:, 0] == flat[:-1, -1]).all()):
             raise ValueError(f"table.{name}_ptr rows are not contiguous")
-    count, index = table.padded_kv()
+    count = table.kv_ptr.diff(dim=-1)
     if count.numel() == 0:
         return
-    count, index = count.long(), index.long()
     if int(count.min()) < 1:
         raise ValueError("every query block must keep at least its diagonal block")
-    last = torch.gather(index, -1, (count - 1)[..., None])[..., 0]
-    slot = torch.arange(index.shape[-1], device=index.device)
-    rising = (index[..., 1:] > index[..., :-1]) | (slot[1:] >= count[..., None])
+    # on the flat arrays (no padded copy): each row ascending and ending with its own block
+    index = table.kv_index.long()
+    row_start = torch.zeros(nnz, dtype=torch.bool, device=index.device)
+    row_start[table.kv_ptr[..., :-1].flatten()] = True
+    rising = (index[1:] > index[:-1]) | row_start[1:]
     blocks = torch.arange(nb, device=index.device)
-    if not bool((last == blocks).all() and rising.all()):
+    if not bool((index[table.kv_ptr[..., 1:] - 1] == blocks).all() and rising.all()):
         raise ValueError("kv_index rows must be ascending and end with the diagonal block")
-    _, q_index = table.padded_q()
-    if table.q_index.numel() != nnz or not bool((q_index[..., 0] == blocks).all()):
+    # the transpose: as many pairs, and each key block's column starts at its own block
+    if table.q_index.numel() != nnz:
+        raise ValueError("q_ptr/q_index are not the transpose of kv_ptr/kv_index")
+    first = table.q_index.long()[table.q_ptr[..., :-1].clamp(max=nnz - 1)]
+    if not bool((first == blocks).all()):
         raise ValueError("q_ptr/q_index are not the transpose of kv_ptr/kv_index")
 
 
