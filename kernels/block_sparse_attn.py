@@ -175,6 +175,13 @@ def _query_tile(
 
 
 @triton.jit
+def _row_keep(doc_base, cols, col_ok, offs_m, doc_q):
+    """[BLOCK_M, BLOCK_N] document-causal mask of query rows x key columns (forward, dQ)."""
+    doc_k = tl.load(doc_base + cols, mask=col_ok, other=-2)
+    return (cols[None, :] <= offs_m[:, None]) & (doc_k[None, :] == doc_q[:, None]) & col_ok[None, :]
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, DOC, DOC_START, KV_PTR, KV_INDEX, ORDER, OUT, LSE,
     stride_qb, stride_qh, stride_qm,
@@ -233,13 +240,7 @@ def _fwd_kernel(
         # interior pairs (keys all <= the first row, all in the last row's document) skip it
         needs_mask = (start_n + BLOCK_N > start_m + 1) | (start_n < last_ds)
         if needs_mask:
-            doc_k = tl.load(doc_base + cols, mask=col_ok, other=-2)
-            keep = (
-                (cols[None, :] <= offs_m[:, None])
-                & (doc_k[None, :] == doc_q[:, None])
-                & col_ok[None, :]
-            )
-            qk = tl.where(keep, qk, float("-inf"))
+            qk = tl.where(_row_keep(doc_base, cols, col_ok, offs_m, doc_q), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -368,13 +369,7 @@ def _bwd_dq_kernel(
         # interior pairs (keys all <= the first row, all in the last row's document) skip it
         needs_mask = (start_n + BLOCK_N > start_m + 1) | (start_n < last_ds)
         if needs_mask:
-            doc_k = tl.load(doc_base + cols, mask=col_ok, other=-2)
-            keep = (
-                (cols[None, :] <= offs_m[:, None])
-                & (doc_k[None, :] == doc_q[:, None])
-                & col_ok[None, :]
-            )
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(_row_keep(doc_base, cols, col_ok, offs_m, doc_q), p, 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(DOT_T), k, dq, input_precision=PREC)
