@@ -8,8 +8,12 @@ seconds of SAB planning (`sab.Planner.next_step`, the planner the loader runs), 
 `dst.tune_budgets` for every anchor, and of the cost-model refit with its density and
 recall model updates (what every rank runs after the step's all-gather), beside the
 simulated step time of that setting (`sb_titan.simulator`: the analytic H200 model of
-Qwen2.5-3B, longtail-v1 documents in 64K rows, SAB+DST). DST runs inside every rank's
-step, so its share of the step is what costs throughput; the target is <= 1%.
+Qwen2.5-3B, longtail-v1 documents in 64K rows, SAB+DST). Planning and DST run ahead in
+the loader's thread (cost_model.plan_lag = 2), overlapped with the previous step: the
+step waits for them only where planning + DST exceed it (`ahead_overlapped`). What stays
+on the step's critical path is the refit, the snapshot the trainer publishes for the
+planning thread (`publish_s`, a deep copy of the model) and the exchange. The target per
+anchor: DST <= 1% of the step, or fully overlapped.
 The measurement exchange (encode, one all-gather of the fixed-size float64 buffer,
 decode: `sb_titan.runtime.measurements`) is timed on 2 and 4 real gloo ranks under
 torchrun (`exchange`); its cost grows with the world size, which a CPU host cannot
@@ -35,6 +39,7 @@ from pathlib import Path
 
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import ANCHORS, DSTConfig, sensitive_recall, tune_budgets
+from sb_titan.balance.snapshots import CostModelSnapshots
 from sb_titan.balance.units import step_units
 from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_planner
 
@@ -104,7 +109,10 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
     refit.seconds = []
     for _ in range(repeats):
         refit()
+    publish_s = _median_s(lambda: CostModelSnapshots(cm, lag=2).publish(0, cm), repeats)
     ratio = {a: dst_s[a] / step_s[a] for a in ANCHORS}
+    plan_s = statistics.median(plan_times[1:])
+    overlapped = {a: plan_s + dst_s[a] <= step_s[a] for a in ANCHORS}
     return {
         "units": len(work),
         "gpus": cluster.gpus,
@@ -112,12 +120,14 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
         "pp": PP,
         "microbatches": MICROBATCHES,
         "step_s": step_s,
-        "sab_plan_s": statistics.median(plan_times[1:]),
+        "sab_plan_s": plan_s,
         "sab_plan_first_s": plan_times[0],
         "dst_s": dst_s,
         "dst_over_step": ratio,
-        "dst_within_target": {a: r <= TARGET for a, r in ratio.items()},
+        "ahead_overlapped": overlapped,
+        "dst_within_target": {a: ratio[a] <= TARGET or overlapped[a] for a in ANCHORS},
         "refit_s": statistics.median(refit.seconds),
+        "publish_s": publish_s,
     }
 
 
@@ -170,15 +180,17 @@ def table(rows: list[dict]) -> str:
     head = "| units | GPUs | step s (mean) | SAB plan ms | " + " | ".join(
         f"DST {a} ms" for a in ANCHORS
     )
-    head += " | worst DST/step | refit ms | DST <= 1% |"
+    head += " | worst DST/step | plan+DST overlapped | refit + publish ms | on target |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         worst = max(r["dst_over_step"].values())
         dst = " | ".join(f"{r['dst_s'][a] * 1e3:.1f}" for a in ANCHORS)
         ok = "yes" if all(r["dst_within_target"].values()) else "no"
+        ahead = "yes" if all(r["ahead_overlapped"].values()) else "no"
+        critical = (r["refit_s"] + r["publish_s"]) * 1e3
         lines.append(
             f"| {r['units']} | {r['gpus']} | {r['step_s']['mean']:.2f} | "
-            f"{r['sab_plan_s'] * 1e3:.0f} | {dst} | {worst:.2%} | {r['refit_s'] * 1e3:.1f} | {ok} |"
+            f"{r['sab_plan_s'] * 1e3:.0f} | {dst} | {worst:.2%} | {ahead} | {critical:.1f} | {ok} |"
         )
     return "\n".join(lines)
 

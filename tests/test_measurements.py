@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import REPO, losses, torchrun
+from conftest import REPO, losses, sample_log, torchrun
 
 from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
 from sb_titan.runtime.measurements import (
@@ -84,10 +84,20 @@ def test_training_step_exchanges_no_pickled_objects(tmp_path):
     """Two FSDP ranks, SAB + DST with the cost-model refit: all_gather_object raises in
     these processes except in the debug-only budget check, so finishing proves the step
     path sends tensors only; the check itself proves both ranks refit to the same
-    budgets from the gathered tensors (steps 3 and 4 plan with models refit at 2 and 3)."""
+    budgets from the gathered tensors (at plan_lag 2, steps 4 and 5 plan with the models
+    refit after steps 2 and 3)."""
     guard = REPO / "tests" / "fixtures" / "no_object_gather"
     env = {"PYTHONPATH": os.pathsep.join([str(guard), os.environ.get("PYTHONPATH", "")])}
-    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks"]
-    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "4"]
+    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
+    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
     torchrun(2, args, tmp_path, env=env)
-    assert len(losses(tmp_path)) == 4
+    assert len(losses(tmp_path)) == 5
+    # Budgets were decided ahead, in each rank's loader thread, from the snapshot after
+    # step t - 2 (-1: the initial model); the refit moved the snapshots, and both ranks
+    # trained the same global budgets from the same snapshots.
+    a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
+    keys = ("plan_step", "step_budgets", "cost_model_snapshot")
+    assert [[e[k] for k in keys] for e in a] == [[e[k] for k in keys] for e in b]
+    by_step = {e["plan_step"]: e["cost_model_snapshot"] for e in a}
+    assert [by_step[p].split(":")[0] for p in range(5)] == ["-1", "-1", "0", "1", "2"]
+    assert len({by_step[p] for p in range(5)}) == 4, by_step

@@ -6,10 +6,11 @@ All runs start from one seed checkpoint, so runs with different parallel layouts
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, losses, sample_log, scalars, torchrun
+from conftest import DEBUG_TOML, REPO, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -100,20 +101,21 @@ def test_pp_1f1b_chunked_loss_matches_plain_loss(seed_ckpt, pp_plain, tmp_path):
     "recipe",
     [
         [],
-        # SAB + DST with density observations feeding the planner and the density model
-        # (refit off: it learns from wall-clock times, which no resume can reproduce).
+        # SAB + DST with density observations feeding the planner and the density model,
+        # and the cost-model refit on a deterministic clock (wall-clock times differ
+        # between any two runs): what resume must restore includes the refit model and
+        # the lagged snapshots that plan the steps after the checkpoint.
         [
             "--sab.policy",
             "sab",
             "--dst.enabled",
             "--cost_model.analytic_device",
             "cpu",
-            "--cost_model.no-refit",
             "--sab.observe_lag",
             "4",
         ],
     ],
-    ids=["baseline", "sab_dst"],
+    ids=["baseline", "sab_dst_refit"],
 )
 def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path, recipe):
     # LR constant after warm-up (min_lr_factor 1), so a 3-step run schedules like a 6-step one.
@@ -130,11 +132,17 @@ def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path, recipe):
         "--dataloader.sample_log",
         *recipe,
     ]
+    clock = REPO / "tests" / "fixtures" / "deterministic_clock"
+    env = {"PYTHONPATH": os.pathsep.join([str(clock), os.environ.get("PYTHONPATH", "")])}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    torchrun(1, [*common, "--training.steps", "6"], straight)
-    torchrun(1, [*common, "--training.steps", "3"], resumed)
-    torchrun(1, [*common, "--training.steps", "6"], resumed)
+    torchrun(1, [*common, "--training.steps", "6"], straight, env=env)
+    torchrun(1, [*common, "--training.steps", "3"], resumed, env=env)
+    torchrun(1, [*common, "--training.steps", "6"], resumed, env=env)
     a, b = losses(straight), losses(resumed)
     assert len(a) == len(b) == 6
     assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5, (a, b)
     assert sample_log(straight) == sample_log(resumed)
+    if recipe:  # steps 4-6 were planned by refit snapshots, two of them from the checkpoint
+        snapshots = [e["cost_model_snapshot"] for e in sample_log(straight)]
+        assert [s.split(":")[0] for s in snapshots] == ["-1", "-1", "0", "1", "2", "3"]
+        assert len(set(snapshots[3:])) == 3, snapshots

@@ -8,6 +8,8 @@ slowest stage on its own, so each micro-batch is a unit.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from sb_titan.balance.cost_model import CostModel, Unit
 from sb_titan.balance.dst import DSTConfig, DSTDecision, tune_budgets
 from sb_titan.balance.sab import StepPlan
@@ -32,3 +34,21 @@ def step_budgets(
     if pipelined:
         return [[next(flat) for _ in range(n)] for n in shape], decision
     return [[b] * n for b, n in zip(flat, shape, strict=True)], decision
+
+
+class ScheduledStep(NamedTuple):
+    """A step plan with the budgets decided for it (ahead of time, in the loader)."""
+
+    plan: StepPlan
+    budgets: list[list[float]]  # [dp_rank][microbatch]
+    decision: DSTDecision | None  # None without a cost model: every budget is beta0
+    snapshot: str = ""  # "<trained step>:<digest>" of the cost model that planned it
+
+
+def schedule_step(
+    plan: StepPlan, cost_model: CostModel | None, cfg: DSTConfig, policy: str, pipelined: bool
+) -> ScheduledStep:
+    """`step_budgets`, or beta0 everywhere when the run has no cost model."""
+    if cost_model is None:
+        return ScheduledStep(plan, [[cfg.beta0] * len(r) for r in plan.microbatches], None)
+    return ScheduledStep(plan, *step_budgets(plan, cost_model, cfg, policy, pipelined))

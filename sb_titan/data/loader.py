@@ -1,17 +1,21 @@
 """The recipe's data loader: a torchdata.nodes chain wrapped as TorchTitan's BaseDataLoader.
 
-    StepPlanNode (global plan, identical on every rank, metadata only)
+    StepPlanNode (global plan and its DST budgets, identical on every rank, metadata only)
       → RankMicrobatchNode (this rank's micro-batches of each step, in order)
       → Mapper(pack: read this rank's tokens, build rows)
       → Prefetcher → Loader
 
-One item is one micro-batch: `({"input", "positions", "plan", ...}, labels)`; the
-global StepPlan rides along so the trainer can tune budgets for the whole step.
+One item is one micro-batch: `({"input", "positions", "scheduled", ...}, labels)`; the
+step's ScheduledStep (global plan + budgets of every rank) rides along for logging and
+measurement. Plans and budgets are decided here, in the prefetch thread, from a lagged
+cost-model snapshot (balance/snapshots.py): off the training step's critical path.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,34 +25,59 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from torchtitan.components.dataloader import BaseDataLoader
 
-from sb_titan.balance.sab import CostFn, DensityPrior, MicroBatchPlan, Planner, SABConfig, StepPlan
+from sb_titan.balance.cost_model import CostModel
+from sb_titan.balance.dst import DSTConfig
+from sb_titan.balance.sab import MicroBatchPlan, Planner, SABConfig
+from sb_titan.balance.snapshots import CostModelSnapshots, PlanningCancelled
+from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.source import TokenSource
 
 IGNORE_INDEX = -100
 
 
-class StepPlanNode(BaseNode[StepPlan]):
-    """Yields global step plans; its state is the planner's (exact resume)."""
+class StepPlanNode(BaseNode[ScheduledStep]):
+    """Yields global step plans with their budgets; its state is the planner's (exact
+    resume: the cost-model snapshots a re-planned step needs are in the trainer's
+    checkpoint)."""
 
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, planning: StepPlanning) -> None:
         super().__init__()
         self.planner = planner
+        self.planning = planning
         # Snapshots leave the density store out: SBDataLoader checkpoints it live.
         self._fresh = planner.state_dict(observations=False)
+        self._lock = threading.Lock()
+        self._generation = 0  # bumped by reset: a planner still waiting is stale
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        self.planner.load_state_dict(initial_state["planner"] if initial_state else self._fresh)
+        with self._lock:
+            self._generation += 1
+            self.planner.load_state_dict(initial_state["planner"] if initial_state else self._fresh)
 
-    def next(self) -> StepPlan:
-        return self.planner.next_step()
+    def next(self) -> ScheduledStep:
+        generation, step = self._generation, self.planner.state.step
+        cfg = self.planning
+        model = None
+        if cfg.snapshots is not None:  # may wait for the trainer to publish it
+            model = cfg.snapshots.model_for(step, lambda: self._generation != generation)
+        with self._lock:
+            if self._generation != generation:
+                raise PlanningCancelled(f"planning step {step}: the loader was reset")
+            if model is not None:
+                self.planner.price_with(*cfg.pricing(model))
+            plan = self.planner.next_step()
+        scheduled = schedule_step(plan, model, cfg.dst, cfg.selection, cfg.pipelined)
+        if model is None:
+            return scheduled
+        return scheduled._replace(snapshot=f"{cfg.snapshots.source_step(step)}:{model.digest()}")
 
     def get_state(self) -> dict[str, Any]:
         return {"planner": self.planner.state_dict(observations=False)}
 
 
-class RankMicrobatchNode(BaseNode[tuple[StepPlan, int]]):
-    """Flattens step plans into (plan, micro-batch index) for one DP rank."""
+class RankMicrobatchNode(BaseNode[tuple[ScheduledStep, int]]):
+    """Flattens scheduled steps into (step, micro-batch index) for one DP rank."""
 
     def __init__(self, source: StepPlanNode, dp_rank: int) -> None:
         super().__init__()
@@ -57,7 +86,7 @@ class RankMicrobatchNode(BaseNode[tuple[StepPlan, int]]):
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        self._plan: StepPlan | None = None
+        self._step: ScheduledStep | None = None
         self._index = 0
         # Re-plan the step that was in progress, then skip what was already yielded.
         self._before = initial_state["source"] if initial_state else None
@@ -68,21 +97,21 @@ class RankMicrobatchNode(BaseNode[tuple[StepPlan, int]]):
 
     def _pull(self) -> None:
         self._before = self.source.get_state()
-        self._plan = self.source.next()
+        self._step = self.source.next()
         self._index = 0
 
-    def next(self) -> tuple[StepPlan, int]:
-        if self._plan is None or self._index == len(self._plan.microbatches[self.dp_rank]):
+    def _at_boundary(self) -> bool:
+        return self._step is None or self._index == len(self._step.plan.microbatches[self.dp_rank])
+
+    def next(self) -> tuple[ScheduledStep, int]:
+        if self._at_boundary():
             self._pull()
-        item = (self._plan, self._index)
+        item = (self._step, self._index)
         self._index += 1
         return item
 
     def get_state(self) -> dict[str, Any]:
-        at_boundary = self._plan is None or self._index == len(
-            self._plan.microbatches[self.dp_rank]
-        )
-        if at_boundary:
+        if self._at_boundary():
             return {"source": self.source.get_state(), "index": 0}
         return {"source": self._before, "index": self._index}
 
@@ -119,16 +148,27 @@ def pack_microbatch(
 
 @dataclass(frozen=True)
 class StepPlanning:
-    """What the loader needs from the run to plan whole steps; the trainer passes it as an
-    argument (it comes from [sab], the step shape and the cost model, not [dataloader])."""
+    """What the loader needs from the run to plan and budget whole steps; the trainer
+    passes it as an argument (it comes from [sab], [dst], the step shape and the cost
+    model, not [dataloader])."""
 
     microbatches_per_step: int = 1
     """Gradient-accumulation steps x pipeline micro-batches."""
     sab: SABConfig = field(default_factory=lambda: SABConfig(policy="sequential"))
-    cost_fn: CostFn | None = None
-    """Predicted micro-batch latency (doc lens, densities); None: tokens plus a quadratic term."""
-    density_prior: DensityPrior | None = None
-    """Expected density of an unseen document at the default budget."""
+    snapshots: CostModelSnapshots | None = None
+    """Lagged cost models: step t is priced and budgeted with the one the trainer
+    published after step t - lag. None: token-count pricing, every budget dst.beta0."""
+    dst: DSTConfig = field(default_factory=DSTConfig)
+    selection: str = "mass"
+    """The selection policy the budgets feed ([sparse_attention] policy)."""
+    pipelined: bool = False
+    """Under PP every micro-batch is its own DST unit (balance/units.py)."""
+
+    def pricing(self, model: CostModel) -> tuple[Any, Any]:
+        """SAB's cost function and density prior (at beta0) from one cost model."""
+        beta0, selection = self.dst.beta0, self.selection
+        prior = functools.cache(lambda n: model.density_for_budget(beta0, n, selection))
+        return model.predict, prior
 
 
 class SBDataLoader(BaseDataLoader):
@@ -170,7 +210,10 @@ class SBDataLoader(BaseDataLoader):
         self.source = build_source(config, seq_len)
         pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
         self.pad_id = 0 if pad is None else pad
-        cost_fn = planning.cost_fn or _token_count_cost
+        cost_fn, prior = _token_count_cost, None
+        if planning.snapshots is not None:
+            cost_fn, prior = planning.pricing(planning.snapshots.model_for(0))
+        self.planning = planning
         self.planner = Planner(
             self.source.lengths,
             seq_len=seq_len,
@@ -179,18 +222,19 @@ class SBDataLoader(BaseDataLoader):
             rows_per_microbatch=local_batch_size,
             config=planning.sab,
             cost_fn=cost_fn,
-            density_prior=planning.density_prior,
+            density_prior=prior,
         )
-        node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner), dp_rank)
+        node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner, planning), dp_rank)
         node = Mapper(node, self._pack)
         self._root = Prefetcher(node, prefetch_factor=config.prefetch_factor)
         self.loader = Loader(self._root)
 
-    def _pack(self, item: tuple[StepPlan, int]) -> tuple[dict[str, Any], torch.Tensor]:
-        plan, index = item
-        mb = plan.microbatches[self.dp_rank][index]
+    def _pack(self, item: tuple[ScheduledStep, int]) -> tuple[dict[str, Any], torch.Tensor]:
+        scheduled, index = item
+        mb = scheduled.plan.microbatches[self.dp_rank][index]
         tokens, labels, positions = pack_microbatch(self.source, mb, self.seq_len, self.pad_id)
-        batch = {"input": tokens, "positions": positions, "plan": plan, "microbatch": index}
+        batch = {"input": tokens, "positions": positions, "scheduled": scheduled}
+        batch["microbatch"] = index
         return batch, labels
 
     def __iter__(self) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
@@ -226,6 +270,8 @@ class SBDataLoader(BaseDataLoader):
         """Stop the prefetch thread. Left running, it keeps planning and packing the
         next steps while the interpreter exits, and a daemon thread caught inside torch
         at exit can abort the process after training has finished."""
+        if self.planning.snapshots is not None:
+            self.planning.snapshots.close()  # a planner waiting for a snapshot gives up
         worker = getattr(self._root, "_it", None)
         if worker is not None:
             worker._shutdown()

@@ -2,19 +2,19 @@
 
 What it adds to the stock trainer, and nothing else:
   * recipe config sections ([model], [sparse_attention], [sab], [dst], [cost_model]);
-  * the global step plan from the loader → DST budgets for every (DP rank,
-    micro-batch), identical on every rank → `attention_masks = AttnMeta(doc_id, budget,
-    microbatch, stats)`, which the pipeline schedule hands to every stage;
+  * the global step plan and its DST budgets for every (DP rank, micro-batch), decided
+    ahead in the loader's planning thread from a lagged cost-model snapshot and so
+    identical on every rank → `attention_masks = AttnMeta(doc_id, budget, microbatch,
+    stats)`, which the pipeline schedule hands to every stage;
   * per-micro-batch measurements (time per stage, realised density, recall),
     all-gathered as one float64 tensor per rank so every rank refits the cost model
-    and feeds SAB identically;
+    and feeds SAB identically, then publishes the refit model for the planning thread;
   * TensorBoard scalars next to TorchTitan's loss / step time / tokens per second.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import hashlib
 import json
@@ -42,8 +42,9 @@ from sb_titan.balance.cost_model import (
 )
 from sb_titan.balance.dst import DSTConfig, DSTDecision
 from sb_titan.balance.sab import SABConfig, StepPlan
+from sb_titan.balance.snapshots import CostModelSnapshots
 from sb_titan.balance.step_shape import step_shape
-from sb_titan.balance.units import step_budgets
+from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.loader import SBDataLoader, StepPlanning
 from sb_titan.data.source import check_vocabulary
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
@@ -113,10 +114,16 @@ class SBTrainer(Trainer):
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
+        self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._run = RunContext()
         self.cost_model = build_run_cost_model(config)
-        planning = loader_planning(config, copy.deepcopy(self.cost_model))
+        self.snapshots = (
+            None
+            if self.cost_model is None
+            else CostModelSnapshots(self.cost_model, config.cost_model.plan_lag)
+        )
+        planning = loader_planning(config, self.snapshots)
         self._microbatches = planning.microbatches_per_step  # sizes the measurement gather
         with _as_torchtitan_builds(config, planning) as tensorboard:
             super().__init__(config)
@@ -136,8 +143,10 @@ class SBTrainer(Trainer):
 
     # -- per micro-batch metadata -----------------------------------------------------------
     def post_dataloading_process(self, input_dict: dict[str, Any], labels: torch.Tensor):
-        plan, mb_index = input_dict.pop("plan"), input_dict.pop("microbatch")
-        budget = self._budget_of(plan, mb_index)
+        scheduled, mb_index = input_dict.pop("scheduled"), input_dict.pop("microbatch")
+        self._take_step(scheduled)
+        plan = scheduled.plan
+        budget = self._budgets[self._dp_rank()][mb_index]
         if self.config.dataloader.sample_log:
             self._log_samples(plan, mb_index, budget)
         inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
@@ -151,25 +160,30 @@ class SBTrainer(Trainer):
         )
         return inputs, labels, extra
 
-    def _budget_of(self, plan: StepPlan, mb_index: int) -> float:
-        if self._step_plan is None or plan.step != self._step_plan.step:
-            self._step_plan = plan
-            self._budgets = self._step_budgets(plan)
-        return self._budgets[self._dp_rank()][mb_index]
+    def _take_step(self, scheduled: ScheduledStep) -> None:
+        """On a step's first micro-batch: adopt the plan and budgets the loader decided."""
+        if self._step_plan is not None and scheduled.plan.step == self._step_plan.step:
+            return
+        self._step_plan, self._budgets = scheduled.plan, scheduled.budgets
+        self._decision, self._snapshot = scheduled.decision, scheduled.snapshot
+        if self.config.dst.verify_ranks:
+            self._verify_budgets(scheduled)
 
-    def _step_budgets(self, plan: StepPlan) -> list[list[float]]:
-        """Budget of every (DP rank, micro-batch) of the step: a pure function of the
-        shared plan and the (identically refit) cost model, so every rank agrees."""
-        cfg = self.config.dst
-        if self.cost_model is None:
-            self._decision = None
-            return [[cfg.beta0] * len(rank) for rank in plan.microbatches]
-        pipelined = self.parallel_dims.pp_enabled
-        policy = self.config.sparse_attention.policy
-        budgets, self._decision = step_budgets(plan, self.cost_model, cfg, policy, pipelined)
-        if cfg.verify_ranks:
-            _assert_same_everywhere(self._decision.digest(), f"DST budgets of step {plan.step}")
-        return budgets
+    def _verify_budgets(self, scheduled: ScheduledStep) -> None:
+        """Debug: the budgets decided ahead equal budgets decided here, in place, from the
+        serialized snapshot of the same step, and every rank holds the same."""
+        plan = scheduled.plan
+        model = None if self.snapshots is None else self.snapshots.rebuild(plan.step)
+        cfg, policy = self.config.dst, self.config.sparse_attention.policy
+        in_place = schedule_step(plan, model, cfg, policy, self.parallel_dims.pp_enabled)
+        if in_place.budgets != scheduled.budgets:
+            raise RuntimeError(
+                f"step {plan.step}: budgets decided ahead {scheduled.budgets} differ from "
+                f"budgets decided in place {in_place.budgets}"
+            )
+        digest = hashlib.sha1(repr(scheduled.budgets).encode()).hexdigest()
+        what = f"plan and budgets of step {plan.step}"
+        _assert_same_everywhere(f"{_plan_digest(plan)}/{digest}", what)
 
     def _dp_rank(self) -> int:
         if not self.parallel_dims.dp_enabled:
@@ -252,6 +266,8 @@ class SBTrainer(Trainer):
         if planner is not None and hasattr(planner, "observe"):
             ids, dens = m.sample_densities(plan)
             planner.observe(ids, dens, step=plan.step)
+        if self.snapshots is not None:  # plans step plan.step + plan_lag
+            self.snapshots.publish(plan.step, self.cost_model)
         if self.metrics_processor.should_log(self.step):
             self._log_recipe_metrics(m, predicted)
 
@@ -325,6 +341,7 @@ class SBTrainer(Trainer):
             "microbatch": mb_index,
             "budget": budget,
             "step_budgets": self._budgets,
+            "cost_model_snapshot": self._snapshot,
             "plan_digest": _plan_digest(plan),
             "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
         }
@@ -362,12 +379,18 @@ class SBTrainer(Trainer):
         state = super().state_dict()
         if self.cost_model is not None:
             state["cost_model"] = json.dumps(self.cost_model.state_dict())
+            state["cost_model_snapshots"] = json.dumps(self.snapshots.state_dict())
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         if self.cost_model is not None and "cost_model" in state_dict:
             self.cost_model.load_state_dict(json.loads(state_dict["cost_model"]))
+            if "cost_model_snapshots" in state_dict:
+                self.snapshots.load_state_dict(json.loads(state_dict["cost_model_snapshots"]))
+            else:  # a checkpoint from before planning ahead: its model plans what is pending
+                logger.warning("checkpoint has no cost-model snapshots; planning with its model")
+                self.snapshots.adopt(self.cost_model, self.step - 1)
 
 
 def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
@@ -397,19 +420,16 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     return model
 
 
-def loader_planning(config: SBTrainer.Config, cost_model: CostModel | None) -> StepPlanning:
-    """The loader plans whole steps, so it must know the micro-batches per step, the
-    packing policy and predicted latency. It gets its own (never refit) cost model:
-    it plans ahead in a prefetch thread, and plans must not depend on when a refit ran."""
-    shape = step_shape(config, int(os.environ.get("WORLD_SIZE", "1")))
-    if cost_model is None:
-        return StepPlanning(shape.microbatches, config.sab)
-    beta0, policy = config.dst.beta0, config.sparse_attention.policy
+def loader_planning(config: SBTrainer.Config, snapshots: CostModelSnapshots | None) -> StepPlanning:
+    """The loader plans and budgets whole steps ahead, so it must know the micro-batches
+    per step, the packing policy, the DST rule and the lagged cost-model snapshots."""
     return StepPlanning(
-        shape.microbatches,
+        step_shape(config, int(os.environ.get("WORLD_SIZE", "1"))).microbatches,
         config.sab,
-        cost_fn=cost_model.predict,
-        density_prior=lambda n: cost_model.density_for_budget(beta0, n, policy),
+        snapshots=snapshots,
+        dst=config.dst,
+        selection=config.sparse_attention.policy,
+        pipelined=config.parallelism.pipeline_parallel_degree > 1,
     )
 
 

@@ -59,10 +59,14 @@ def simulate(
     first: dict[str, StepResult] = {}
     t0 = time.perf_counter()
     for step in range(sc.steps):
-        plans = {policy: p.next_step() for policy, p in planners.items()}
+        plans, planning_s = {}, {}
+        for policy, planner in planners.items():
+            start = time.perf_counter()
+            plans[policy] = planner.next_step()
+            planning_s[policy] = time.perf_counter() - start
         for v in VARIANTS:
             policy = "sab" if v.startswith("sab") else sc.baseline_policy
-            r = sim.run_step(plans[policy], v, keep_timeline=step == 0)
+            r = sim.run_step(plans[policy], v, step == 0, planning_s[policy])
             if step == 0:
                 first[v] = r
             results[v].append(r)

@@ -86,7 +86,9 @@ class StepResult:
     tokens: int  # trained this step (padding excluded)
     budgets_digest: str  # DSTDecision.digest(): what a trainer rank would log
     padding: float  # share of the step's row capacity left empty
-    control_s: float = 0.0  # measured CPU seconds of DST, which runs inside the step
+    planning_s: float = 0.0  # measured CPU seconds of SAB planning this step's plan
+    dst_s: float = 0.0  # measured CPU seconds of DST deciding its budgets
+    control_s: float = 0.0  # what of both the step waits for (see Simulator.run_step)
     timeline: Timeline | None = None
 
 
@@ -125,14 +127,21 @@ class Simulator:
             out[s] = by_model[id(cm)]
         return out
 
-    def run_step(self, plan: StepPlan, variant: str, keep_timeline: bool = False) -> StepResult:
-        """One variant of one step: budget it, time every stage, replay, reduce."""
+    def run_step(
+        self, plan: StepPlan, variant: str, keep_timeline: bool = False, planning_s: float = 0.0
+    ) -> StepResult:
+        """One variant of one step: budget it, time every stage, replay, reduce.
+
+        The trainer plans and budgets step t+1 in the loader's thread while step t runs
+        (cost_model.plan_lag >= 2), so only what planning and DST take beyond the step
+        delays training: control_s = max(0, planning_s + dst_s - step_s), both measured
+        on this host's CPU (`planning_s`: the caller's timing of the planner)."""
         c = self.cluster
         start = time.perf_counter()
         budgets, decision = step_budgets(
             plan, self.models.planning, self.dst_config(variant), self.selection, c.pp > 1
         )
-        control_s = time.perf_counter() - start
+        dst_s = time.perf_counter() - start
         budgets = np.asarray(budgets)
         total = self.stage_seconds(plan, budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
@@ -149,8 +158,9 @@ class Simulator:
         rank_compute = tl.busy.sum(axis=0)
         mb_work = total.sum(axis=0).reshape(-1)
         capacity = c.dp * c.microbatches * c.rows * c.seq_len
+        step_s = pipeline + self.reduction_s
         return StepResult(
-            step_s=pipeline + self.reduction_s,
+            step_s=step_s,
             pipeline_s=pipeline,
             reduction_s=self.reduction_s,
             ideal_s=float(ideal.makespan[0]) + self.reduction_s,
@@ -163,6 +173,8 @@ class Simulator:
             tokens=int(tokens.sum()),
             budgets_digest=decision.digest(),
             padding=1.0 - float(tokens.sum()) / capacity,
-            control_s=control_s,
+            planning_s=planning_s,
+            dst_s=dst_s,
+            control_s=max(0.0, planning_s + dst_s - step_s),
             timeline=tl if keep_timeline else None,
         )

@@ -445,8 +445,14 @@ class CostModelConfig:
     """Recalibrate online from measured micro-batch times (identical on every rank)."""
     drift_threshold: float = 0.15
     """Warn when the prediction error's moving average exceeds this fraction."""
+    plan_lag: int = 2
+    """Step t is packed (SAB) and budgeted (DST) ahead, in the loader's thread, with the
+    model as refit after step t - plan_lag. 1 puts planning back on the step's critical
+    path (it must wait for the previous step's refit); 2 overlaps it with one step."""
 
     def __post_init__(self) -> None:
+        if self.plan_lag < 1:
+            raise ValueError(f"cost_model.plan_lag: must be >= 1 (got {self.plan_lag})")
         if self.analytic_device is not None and self.analytic_device not in ANALYTIC_DEVICES:
             raise ValueError(
                 f"cost_model.analytic_device: {self.analytic_device!r} is not one of "

@@ -85,7 +85,7 @@ class Planner:
                 f"Planner: no sample yields tokens (long_docs={config.long_docs!r}, "
                 f"longest piece {self.piece_len})"
             )
-        self.cost_fn = as_cost_fn(cost_fn)
+        self.cost_fn: CostFn = as_cost_fn(cost_fn)
         self.base_cost = float(self.cost_fn([], []))
         self.density_prior = density_prior
         self._lens_list = self.lengths.tolist()
@@ -105,6 +105,16 @@ class Planner:
     @property
     def dropped(self) -> int:
         return self.state.dropped
+
+    def price_with(
+        self, cost_fn: CostFn | Callable[[Sequence[int]], float], density_prior: DensityPrior | None
+    ) -> None:
+        """Price the next steps with another cost model (the loader swaps in the lagged
+        cost-model snapshot before every step; balance/snapshots.py)."""
+        with self._lock:
+            self.cost_fn = as_cost_fn(cost_fn)
+            self.base_cost = float(self.cost_fn([], []))
+            self.density_prior = density_prior
 
     # -- sample order -------------------------------------------------------------
     def epoch_order(self, epoch: int) -> np.ndarray:
