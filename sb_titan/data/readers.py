@@ -1,5 +1,6 @@
 """sb-prep's inputs: each reader yields the documents of one input as Records (the
-text, or the tokens of pre-tokenized input, or why a record could not be read).
+field's value, or the tokens of pre-tokenized input, or why a record could not be
+read); `validate` then checks the value is text (or, for --chat, a conversation).
 
 An Input is what one --input (or --hf-dataset) names; `classify` decides its kind:
   .txt                  one document per file
@@ -49,7 +50,7 @@ class Record:
     """One document of an input, or why it could not be read."""
 
     where: str  # file:line (file:row for tables, file:document for Megatron)
-    text: str | None
+    value: object  # the field's value as read (`validate` checks it), None with a problem
     problem: str | None = None
     nbytes: int = 0  # input bytes consumed (for progress)
     ids: np.ndarray | None = None  # a pre-tokenized document (Megatron), instead of text
@@ -136,7 +137,7 @@ def read_txt(path: Path) -> Iterator[Record]:
         line = raw[: e.start].count(b"\n") + 1
         yield Record(f"{path}:{line}", None, "not valid UTF-8", len(raw))
         return
-    yield checked(f"{path}:1", text, len(raw))
+    yield Record(f"{path}:1", text, None, len(raw))
 
 
 def _open_lines(path: Path, kind: str) -> tuple[io.BufferedIOBase, Any]:
@@ -193,15 +194,34 @@ def _json_record(where: str, line: bytes, text_field: str, nbytes: int) -> Recor
     if not isinstance(obj, dict) or text_field not in obj:
         has = f" (fields: {', '.join(sorted(obj)[:8])})" if isinstance(obj, dict) else ""
         return Record(where, None, f"no field '{text_field}'{has}", nbytes)
-    return checked(where, obj[text_field], nbytes, text_field)
+    return Record(where, obj[text_field], None, nbytes)
 
 
-def checked(where: str, value: object, nbytes: int, name: str = "text") -> Record:
+def validate(rec: Record, name: str, chat: bool = False) -> Record:
+    """`rec` with its problem set when its value is not a document: non-empty text, or
+    with `chat` a conversation (a list of {"role", "content"} with an assistant turn)."""
+    if rec.problem is not None or rec.ids is not None:
+        return rec
+    problem = chat_problem(rec.value, name) if chat else text_problem(rec.value, name)
+    return rec if problem is None else Record(rec.where, None, problem, rec.nbytes)
+
+
+def text_problem(value: object, name: str) -> str | None:
     if not isinstance(value, str):
-        return Record(where, None, f"'{name}' is {type(value).__name__}, not a string", nbytes)
-    if not value.strip():
-        return Record(where, None, "empty text", nbytes)
-    return Record(where, value, None, nbytes)
+        return f"'{name}' is {type(value).__name__}, not a string"
+    return None if value.strip() else "empty text"
+
+
+def chat_problem(value: object, name: str) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"'{name}' is {type(value).__name__}, not a list of messages"
+    for i, m in enumerate(value):
+        fields = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if not all(isinstance(f, str) for f in fields):
+            return f'\'{name}\'[{i}] is not a {{"role": str, "content": str}} message'
+    if not any(m["role"] == "assistant" for m in value):
+        return "no assistant message (nothing to train on)"
+    return None
 
 
 # -- tables: Parquet, Arrow, datasets ------------------------------------------------------
@@ -213,12 +233,12 @@ def _require_column(where: Path | str, names: list[str], text_field: str) -> Non
         )
 
 
-def _rows(where: str, batches: Iterator[list], share: int, name: str) -> Iterator[Record]:
+def _rows(where: str, batches: Iterator[list], share: int) -> Iterator[Record]:
     row = 0
     for column in batches:
         for value in column:
             row += 1
-            yield checked(f"{where}:{row}", value, share, name)
+            yield Record(f"{where}:{row}", value, None, share)
 
 
 def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
@@ -228,7 +248,7 @@ def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
     _require_column(path, pf.schema_arrow.names, text_field)
     share = path.stat().st_size // max(pf.metadata.num_rows, 1)
     batches = (b.column(0).to_pylist() for b in pf.iter_batches(ROW_BATCH, columns=[text_field]))
-    return _rows(str(path), batches, share, text_field)
+    return _rows(str(path), batches, share)
 
 
 def read_arrow(path: Path, text_field: str) -> Iterator[Record]:
@@ -249,7 +269,7 @@ def read_arrow(path: Path, text_field: str) -> Iterator[Record]:
     table = reader.read_all()  # memory-mapped: the data is not copied
     batches, rows = iter(table.to_batches(ROW_BATCH)), table.num_rows
     share = path.stat().st_size // max(rows, 1)
-    return _rows(str(path), (b.column(column).to_pylist() for b in batches), share, text_field)
+    return _rows(str(path), (b.column(column).to_pylist() for b in batches), share)
 
 
 def _split_of(ds: Any, where: str, hf: HFOptions) -> Any:
@@ -278,7 +298,7 @@ def read_hf_disk(path: Path, text_field: str, hf: HFOptions) -> Iterator[Record]
     _require_column(path, ds.column_names, text_field)
     share = sum(f.stat().st_size for f in path.rglob("*.arrow")) // max(len(ds), 1)
     batches = (b[text_field] for b in ds.select_columns([text_field]).iter(ROW_BATCH))
-    return _rows(str(path), batches, share, text_field)
+    return _rows(str(path), batches, share)
 
 
 def read_hf_hub(name: str, text_field: str, hf: HFOptions) -> Iterator[Record]:
@@ -298,12 +318,12 @@ def read_hf_hub(name: str, text_field: str, hf: HFOptions) -> Iterator[Record]:
     if first is None:
         return
     _require_column(where, list(first), text_field)
-    yield checked(f"{where}:1", first.get(text_field), 0, text_field)
+    yield Record(f"{where}:1", first[text_field])
     for row, example in enumerate(rows, 2):
         if text_field not in example:
             yield Record(f"{where}:{row}", None, f"no field '{text_field}'")
             continue
-        yield checked(f"{where}:{row}", example[text_field], 0, text_field)
+        yield Record(f"{where}:{row}", example[text_field])
 
 
 # -- pre-tokenized: Megatron -------------------------------------------------------------------

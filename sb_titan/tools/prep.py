@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from sb_titan.data.chat import IM_END, IM_START, chatml_ids, render_chatml
 from sb_titan.data.indexed import META, IndexedWriter
 from sb_titan.data.readers import (
     HFOptions,
@@ -34,6 +35,7 @@ from sb_titan.data.readers import (
     classify,
     read_megatron,
     records,
+    validate,
 )
 from sb_titan.data.tokenizer import TOKENIZER_DIR, load_tokenizer, special_tokens
 
@@ -129,17 +131,26 @@ class _Encoder:
         self.writer, self.tok, self.sp, self.report = writer, tok, sp, report
         self.batch: list[str] = []
 
-    def add(self, rec: Record) -> None:
-        if rec.ids is None:
-            self.batch.append(rec.text)
+    def add(self, rec: Record, chat: bool = False) -> None:
+        if rec.ids is None and not chat:
+            self.batch.append(rec.value)
             if len(self.batch) == BATCH_DOCS:
                 self.flush()
             return
         self.flush()
-        ids, sp = rec.ids, self.sp
-        head = [sp.bos] if sp.bos is not None and ids[0] != sp.bos else []
-        tail = [sp.eos] if sp.eos is not None and ids[-1] != sp.eos else []
-        self._put(np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)]))
+        sp = self.sp
+        if chat:  # the conversation's own mask; BOS and EOS are context
+            ids, mask = render_chatml(self.tok, rec.value)
+            head = [] if sp.bos is None else [sp.bos]
+            tail = [] if sp.eos is None else [sp.eos]
+        else:  # Megatron: keep a BOS / end-of-document id the document already has
+            ids, mask = rec.ids, None
+            head = [sp.bos] if sp.bos is not None and ids[0] != sp.bos else []
+            tail = [sp.eos] if sp.eos is not None and ids[-1] != sp.eos else []
+        if mask is not None:
+            mask = np.concatenate([np.zeros(len(head), bool), mask, np.zeros(len(tail), bool)])
+        ids = np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)])
+        self._put(ids, mask)
 
     def flush(self) -> None:
         """Tokenize the pending texts (in parallel) and append them in order."""
@@ -149,8 +160,8 @@ class _Encoder:
             self._put(np.asarray([*head, *enc.ids, *tail], dtype=np.int64))
         self.batch.clear()
 
-    def _put(self, ids: np.ndarray) -> None:
-        self.writer.add(ids)
+    def _put(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        self.writer.add(ids, mask)
         self.report.samples += 1
         self.report.tokens += len(ids)
 
@@ -158,6 +169,7 @@ class _Encoder:
 @dataclass(frozen=True, slots=True)
 class PrepOptions:
     text_field: str = "text"
+    chat: bool = False
     strict: bool = False
     max_malformed: float = MAX_MALFORMED
     hf: HFOptions = field(default_factory=HFOptions)
@@ -168,7 +180,8 @@ def prep(
     out: Path,
     tokenizer_path: Path | None = None,
     *,
-    text_field: str = "text",
+    text_field: str | None = None,
+    chat: bool = False,
     strict: bool = False,
     eos: bool = False,
     overwrite: bool = False,
@@ -180,26 +193,28 @@ def prep(
     """Tokenize `inputs` (and the hub dataset `hf_dataset`) into the directory `out`.
 
     `tokenizer_path` None is the shipped tokenizer, except for Megatron inputs: their ids
-    mean nothing without the tokenizer that made them, so it must be named.
+    mean nothing without the tokenizer that made them, so it must be named. `chat`:
+    records are conversations (field `text_field`, default "messages"), rendered in
+    ChatML with a loss mask on the assistant turns (sb_titan/data/chat.py).
     More than `max_malformed` of a file's records (or of all records) malformed means
     the input is not what the flags say (a wrong --text-field, another format): that
     stops the run instead of writing a dataset of the few that parsed."""
-    items = _check_inputs(inputs, hf_dataset)
-    megatron = [i.path for i in items if i.kind == "megatron"]
-    if megatron and tokenizer_path is None:
-        raise PrepError(
-            f"{megatron[0]}: a Megatron dataset holds token ids but not its tokenizer; pass "
-            "--tokenizer DIR, the one it was made with"
-        )
+    items = _check_inputs(inputs, hf_dataset, tokenizer_path, chat)
     tokenizer_path = Path(tokenizer_path or TOKENIZER_DIR)
     if (out / META).exists() and not overwrite:
         raise PrepError(f"{out}: already holds a dataset (pass --overwrite to replace it)")
     tok = load_tokenizer(tokenizer_path)
     sp = resolve_specials(tok, tokenizer_path, eos)
-    opts = PrepOptions(text_field, strict, max_malformed, hf or HFOptions())
+    if chat and chatml_ids(tok) is None:
+        raise PrepError(
+            f"{tokenizer_path / 'tokenizer.json'}: --chat renders ChatML (Qwen2.5's chat "
+            f"format) and needs {IM_START} and {IM_END} in the vocabulary"
+        )
+    field_name = text_field or ("messages" if chat else "text")
+    opts = PrepOptions(field_name, chat, strict, max_malformed, hf or HFOptions())
     report = PrepReport()
     bar = Progress(sum(i.nbytes for i in items), progress)
-    writer = IndexedWriter(out)
+    writer = IndexedWriter(out, loss_mask=chat)
     (out / "malformed.txt").unlink(missing_ok=True)  # from a replaced dataset
     encoder = _Encoder(writer, tok, sp, report)
     try:
@@ -236,8 +251,9 @@ def _prep_input(
     for rec in docs:
         bar.update(rec.nbytes)
         seen += 1
+        rec = validate(rec, opts.text_field, opts.chat)
         if rec.problem is None:
-            encoder.add(rec)
+            encoder.add(rec, opts.chat)
             continue
         if opts.strict:
             raise PrepError(f"{rec.where}: {rec.problem}")
@@ -272,7 +288,9 @@ def _check_share(where: Path, malformed: list[str], records: int, max_share: flo
     )
 
 
-def _check_inputs(inputs: list[Path], hf_dataset: str | None) -> list[Input]:
+def _check_inputs(
+    inputs: list[Path], hf_dataset: str | None, tokenizer_path: Path | None, chat: bool
+) -> list[Input]:
     """Inputs in command-line order; a Megatron pair named twice (x.bin x.idx) once."""
     if not inputs and not hf_dataset:
         raise PrepError("no inputs (pass --input FILE... and/or --hf-dataset NAME)")
@@ -283,6 +301,17 @@ def _check_inputs(inputs: list[Path], hf_dataset: str | None) -> list[Input]:
             items.append(inp)
     if hf_dataset:
         items.append(Input("hf-hub", hf_dataset, 0))
+    for inp in items:
+        if inp.kind == "megatron" and tokenizer_path is None:
+            raise PrepError(
+                f"{inp.path}: a Megatron dataset holds token ids but not its tokenizer; pass "
+                "--tokenizer DIR, the one it was made with"
+            )
+        if chat and inp.kind in ("txt", "megatron"):
+            raise PrepError(
+                f"{inp.path}: --chat reads conversations from JSONL, Parquet, Arrow or "
+                f"datasets records, not {inp.kind} input"
+            )
     return items
 
 
@@ -300,6 +329,7 @@ def _meta(
             "eos": sp.eos_name if sp.eos is not None else None,
         },
         "text_field": opts.text_field,
+        **({"chat_template": "chatml"} if opts.chat else {}),
         "malformed": len(report.malformed),
         "sources": report.sources,
     }
@@ -328,7 +358,17 @@ def _parser() -> argparse.ArgumentParser:
         help="directory holding tokenizer.json (+ tokenizer_config.json for BOS/EOS), e.g. a "
         "downloaded Qwen2.5 checkpoint (default: the shipped one; Megatron inputs need it named)",
     )
-    ap.add_argument("--text-field", default="text", help="JSONL field / table column")
+    ap.add_argument(
+        "--text-field",
+        metavar="NAME",
+        help="JSONL field / table column of each document (default text; with --chat messages)",
+    )
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="records are conversations (lists of {role, content}): rendered in ChatML, the "
+        "loss only on assistant turns (supervised fine-tuning)",
+    )
     ap.add_argument(
         "--hf-dataset",
         metavar="NAME",
@@ -362,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             args.tokenizer,
             text_field=args.text_field,
+            chat=args.chat,
             strict=args.strict,
             eos=args.eos,
             overwrite=args.overwrite,
