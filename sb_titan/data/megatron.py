@@ -101,8 +101,7 @@ def _read_header(idx: Path) -> tuple[type, int, int]:
         head = f.read(HEADER_BYTES)
     if head[: len(MAGIC)] != MAGIC:
         raise MegatronError(
-            f"{idx}: not a Megatron index (starts with {head[: len(MAGIC)]!r}, expected "
-            f"{MAGIC!r})"
+            f"{idx}: not a Megatron index (starts with {head[: len(MAGIC)]!r}, expected {MAGIC!r})"
         )
     if len(head) < HEADER_BYTES:
         raise MegatronError(f"{idx}: truncated header ({len(head)} of {HEADER_BYTES} bytes)")
