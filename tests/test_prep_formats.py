@@ -12,7 +12,10 @@ import json
 import shutil
 from pathlib import Path
 
+import datasets
+import pyarrow as pa
 import pytest
+import zstandard
 from conftest import tiny_qwen_tokenizer
 
 from sb_titan.data.indexed import IndexedDataset
@@ -67,7 +70,6 @@ def reference(tmp_path_factory, tok) -> list[list[int]]:
 
 
 def test_save_to_disk_folder_and_its_arrow_shards(tmp_path, reference):
-    datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"id": list(range(len(DOCS))), "text": DOCS})
     ds.save_to_disk(tmp_path / "saved", num_shards=2)
     assert run(["--input", tmp_path / "saved"], tmp_path / "a") == reference
@@ -85,7 +87,6 @@ def test_save_to_disk_folder_and_its_arrow_shards(tmp_path, reference):
 
 
 def test_arrow_ipc_file_and_other_column(tmp_path, tok):
-    pa = pytest.importorskip("pyarrow")
     table = pa.table({"body": DOCS[:2], "n": [1, 2]})
     with pa.ipc.new_file(tmp_path / "t.arrow", table.schema) as writer:
         writer.write_table(table)
@@ -96,7 +97,6 @@ def test_arrow_ipc_file_and_other_column(tmp_path, tok):
 def test_load_dataset_on_a_local_dataset(tmp_path, reference):
     """--hf-dataset goes through datasets.load_dataset (streaming), here on a local
     folder of data files as the hub would serve them (the hub is not reachable)."""
-    pytest.importorskip("datasets")
     repo = tmp_path / "my_dataset"
     (repo / "data").mkdir(parents=True)
     write_jsonl(repo / "data" / "train.jsonl", DOCS)
@@ -117,12 +117,11 @@ def test_load_dataset_on_a_local_dataset(tmp_path, reference):
 
 
 def test_compressed_jsonl(tmp_path, reference):
-    zstd = pytest.importorskip("zstandard")
     lines = write_jsonl(tmp_path / "d.jsonl", DOCS).read_bytes()
     half = lines.index(b"\n", len(lines) // 2) + 1
     # Two gzip members and two zstandard frames, as concatenating shards makes.
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(lines[:half]) + gzip.compress(lines[half:]))
-    c = zstd.ZstdCompressor()
+    c = zstandard.ZstdCompressor()
     (tmp_path / "d.jsonl.zst").write_bytes(c.compress(lines[:half]) + c.compress(lines[half:]))
     assert run(["--input", tmp_path / "d.jsonl.gz"], tmp_path / "gz") == reference
     assert run(["--input", tmp_path / "d.jsonl.zst"], tmp_path / "zst") == reference
@@ -202,7 +201,6 @@ def test_tokenizer_without_bos_and_its_hash(tmp_path):
 
 def _corrupt_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     """(argv, the one error line expected) for each kind of bad input."""
-    datasets = pytest.importorskip("datasets")
     lone = tmp / "lone"
     lone.mkdir()
     shutil.copy(MEGATRON / "text_document.idx", lone / "x.idx")
