@@ -115,3 +115,37 @@ def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
 def indexed_args(path: Path) -> list[str]:
     """CLI overrides that train on the sb-prep dataset at `path`."""
     return ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", str(path)]
+
+
+# Qwen2.5's special tokens and the tokenizer_config.json keys sb_titan reads (the
+# released files: no BOS, <|endoftext|> ends documents and pads).
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_TOKENIZER_CONFIG = {
+    "bos_token": None,
+    "eos_token": "<|endoftext|>",
+    "pad_token": "<|endoftext|>",
+    "add_bos_token": False,
+    "tokenizer_class": "Qwen2Tokenizer",
+}
+
+
+def tiny_qwen_tokenizer(path: Path, vocab_size: int = 320, text: str = "") -> Path:
+    """A small byte-level BPE with Qwen2.5's special tokens and tokenizer_config.json
+    (the real one is 151,665 ids; the tiny models here have a few hundred)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=QWEN_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = text or "The quick brown fox jumps over the lazy dog. " * 50
+    tok.train_from_iterator([corpus], trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(QWEN_TOKENIZER_CONFIG, indent=2))
+    return path

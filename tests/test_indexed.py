@@ -209,8 +209,8 @@ def test_malformed_share_is_judged_early_in_a_long_file(tmp_path, capsys, monkey
     seen = []
     real = prep_module.records
 
-    def counting(path, field):
-        for rec in real(path, field):
+    def counting(inp, field, hf):
+        for rec in real(inp, field, hf):
             seen.append(rec)
             yield rec
 

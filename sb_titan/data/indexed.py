@@ -4,6 +4,9 @@ A dataset is a directory of three files:
   tokens.bin   every sample's tokens back to back, raw little-endian uint32 or int32
   index.npy    int64 [n, 3]: offset (in tokens), length, sample id (0..n-1, in order)
   meta.json    format version, dtype, counts, the largest token id, tokenizer and sources
+and, for supervised fine-tuning data (`sb-prep --chat`), a fourth:
+  loss_mask.bin  one uint8 per token of tokens.bin: 1 where the token is a training
+                 target (an answer), 0 where it is only context (meta.json "loss_mask")
 
 Planning needs only the lengths (read once into memory); tokens are memory-mapped, so
 each rank pages in only the samples it packs.
@@ -22,6 +25,7 @@ FORMAT = "sb_titan-indexed"
 VERSION = 1
 DTYPES = ("uint32", "int32")
 TOKENS, INDEX, META = "tokens.bin", "index.npy", "meta.json"
+LOSS_MASK = "loss_mask.bin"
 SCAN_CHUNK_TOKENS = 1 << 26  # 256 MiB of uint32 per step of a max-id scan
 
 
@@ -44,6 +48,9 @@ class IndexedDataset:
         self._lengths = index[:, 1].copy()
         _check_layout(self.path / INDEX, index, self.meta["num_tokens"])
         self._tokens = _map_tokens(self.path / TOKENS, self.dtype, self.meta["num_tokens"])
+        self._mask = None
+        if self.meta.get("loss_mask"):
+            self._mask = _map_tokens(self.path / LOSS_MASK, np.dtype("u1"), self.meta["num_tokens"])
         self._recorded_max = self.meta.get("max_token_id")  # checked on every read
 
     @property
@@ -71,6 +78,13 @@ class IndexedDataset:
                 f"above its max_token_id {top} (edited, or tokens.bin from another dataset?)"
             )
         return tokens
+
+    def loss_mask(self, sample_id: int, start: int, length: int) -> np.ndarray | None:
+        """Which tokens of `read(...)` are training targets (bool), or None: all are."""
+        if self._mask is None:
+            return None
+        at = int(self._offsets[sample_id]) + start
+        return self._mask[at : at + length] != 0
 
     def max_token_id(self) -> int:
         """From meta.json; datasets written before it was recorded are scanned once."""
@@ -166,7 +180,9 @@ class IndexedWriter:
     leaves a directory that looks complete.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, dtype: str = "uint32") -> None:
+    def __init__(
+        self, out_dir: str | os.PathLike, dtype: str = "uint32", loss_mask: bool = False
+    ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"IndexedWriter: dtype {dtype!r}, expected one of {DTYPES}")
         self.out_dir = Path(out_dir)
@@ -176,13 +192,21 @@ class IndexedWriter:
         self._limits = (np.iinfo(self.dtype).min, np.iinfo(self.dtype).max)
         self._tmp = self.out_dir / (TOKENS + ".tmp")
         self._file = self._tmp.open("wb")
+        self._mask_tmp = self.out_dir / (LOSS_MASK + ".tmp")
+        self._mask_file = self._mask_tmp.open("wb") if loss_mask else None
         self._lengths: list[int] = []
         self.num_tokens = 0
         self.max_token_id = -1  # -1: no tokens
 
-    def add(self, tokens: np.ndarray | list[int]) -> int:
-        """Write one sample; returns its id."""
+    def add(self, tokens: np.ndarray | list[int], mask: np.ndarray | None = None) -> int:
+        """Write one sample (with its loss mask when the dataset has one); returns its id."""
         arr = np.asarray(tokens)
+        if (mask is not None) != (self._mask_file is not None):
+            raise ValueError("IndexedWriter: a loss mask with every sample, or with none")
+        if mask is not None:
+            if len(mask) != len(arr):
+                raise ValueError(f"IndexedWriter: {len(mask)} mask values for {len(arr)} tokens")
+            self._mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
         if len(arr) and (arr.min() < self._limits[0] or arr.max() > self._limits[1]):
             raise ValueError(f"IndexedWriter: token ids outside the {self.dtype.name} range")
         self._file.write(arr.astype(self.dtype).tobytes())
@@ -195,6 +219,9 @@ class IndexedWriter:
     def close(self, meta: dict[str, Any]) -> Path:
         """Publish tokens.bin, then index.npy, then meta.json."""
         self._file.close()
+        if self._mask_file is not None:
+            self._mask_file.close()
+            meta = {**meta, "loss_mask": LOSS_MASK}
         lengths = np.asarray(self._lengths, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         index = np.stack([offsets[: len(lengths)], lengths, np.arange(len(lengths))], axis=1)
@@ -210,6 +237,10 @@ class IndexedWriter:
         }
         (self.out_dir / (META + ".tmp")).write_text(json.dumps(full, indent=2) + "\n")
         os.replace(self._tmp, self.out_dir / TOKENS)
+        if self._mask_file is not None:
+            os.replace(self._mask_tmp, self.out_dir / LOSS_MASK)
+        else:
+            (self.out_dir / LOSS_MASK).unlink(missing_ok=True)  # from a replaced dataset
         os.replace(self.out_dir / (INDEX + ".tmp.npy"), self.out_dir / INDEX)
         os.replace(self.out_dir / (META + ".tmp"), self.out_dir / META)
         return self.out_dir
@@ -218,3 +249,6 @@ class IndexedWriter:
         """Drop what was written (the directory is left without a dataset)."""
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+        if self._mask_file is not None:
+            self._mask_file.close()
+            self._mask_tmp.unlink(missing_ok=True)

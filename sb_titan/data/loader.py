@@ -122,8 +122,11 @@ def pack_microbatch(
     """Rows of [seq_len]: tokens, labels (next token within a piece) and positions.
 
     Positions restart at 0 at every piece, so attention (which derives documents from
-    positions) never crosses a document or reaches into padding.
+    positions) never crosses a document or reaches into padding. A source with a loss
+    mask (supervised fine-tuning data) leaves labels that are not targets at
+    IGNORE_INDEX: TorchTitan's loss skips them and counts only the others.
     """
+    loss_mask = getattr(source, "loss_mask", None)
     n_rows = len(mb.rows)
     tokens = np.full((n_rows, seq_len), pad_id, dtype=np.int64)
     labels = np.full((n_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
@@ -139,6 +142,9 @@ def pack_microbatch(
                 )
             tokens[r, at : at + piece.length] = t
             labels[r, at : at + piece.length - 1] = t[1:]
+            keep = loss_mask and loss_mask(piece.sample_id, piece.start, piece.length)
+            if keep is not None:  # label i is token i + 1: a target where that token is
+                labels[r, at : at + piece.length - 1][~keep[1:]] = IGNORE_INDEX
             positions[r, at : at + piece.length] = np.arange(piece.length)
             at += piece.length
         # positions stay 0 over the padding: every pad token is its own document, so

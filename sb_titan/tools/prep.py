@@ -1,22 +1,21 @@
-"""`sb-prep`: raw text → a tokenized indexed dataset (sb_titan.data.indexed).
+"""`sb-prep`: raw text (or pre-tokenized Megatron data) → a tokenized indexed dataset
+(sb_titan.data.indexed).
 
-Inputs, by extension:
-  .txt      one document per file (long-context data is whole books, papers, code
-            files: splitting at blank lines would cut them into paragraphs)
-  .jsonl    one JSON object per line, the document in the string field --text-field
-  .parquet  one document per row, column --text-field (needs pyarrow; skipped with a
-            message when it is not installed)
-Each document is stored as BOS + its tokens, as in the synthetic corpus (+ EOS with
---eos). Malformed records (bad JSON or UTF-8, a missing or non-string field, empty
-text) are skipped, counted and reported as file:line (the row for Parquet); --strict
-stops at the first.
+Inputs (sb_titan/data/readers.py): .txt (one document per file: long-context data is
+whole books, papers, code files), .jsonl / .jsonl.gz / .jsonl.zst (the string field
+--text-field of each line), .parquet / .arrow (the column --text-field of each row), a
+`datasets` save_to_disk folder, a hub dataset (--hf-dataset), and Megatron .bin/.idx
+pairs (already tokenized: they need --tokenizer, the one they were made with).
+Each document is stored as BOS + its tokens (no BOS when the tokenizer has none, as
+Qwen2.5's), + EOS with --eos. Malformed records (bad JSON or UTF-8, a missing or
+non-string field, empty text) are skipped, counted and reported as file:line (the row
+for tables); --strict stops at the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -26,10 +25,20 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from sb_titan.data.chat import IM_END, IM_START, chatml_ids, render_chatml
 from sb_titan.data.indexed import META, IndexedWriter
-from sb_titan.data.tokenizer import BOS, EOS, TOKENIZER_DIR, load_tokenizer
+from sb_titan.data.readers import (
+    HFOptions,
+    Input,
+    InputError,
+    Record,
+    classify,
+    read_megatron,
+    records,
+    validate,
+)
+from sb_titan.data.tokenizer import TOKENIZER_DIR, load_tokenizer, special_tokens
 
-FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".parquet": "parquet"}
 BATCH_DOCS = 256  # documents tokenized per encode_batch call
 SHOW_MALFORMED = 20  # locations printed; the full list goes to DIR/malformed.txt
 MAX_MALFORMED = 0.01  # default share of a file's records that may be skipped
@@ -41,85 +50,12 @@ class PrepError(Exception):
 
 
 @dataclass(slots=True)
-class Record:
-    """One document of an input file, or why it could not be read."""
-
-    where: str  # file:line (file:row for Parquet)
-    text: str | None
-    problem: str | None = None
-    nbytes: int = 0  # input bytes consumed (for progress)
-
-
-@dataclass(slots=True)
 class PrepReport:
     samples: int = 0
     tokens: int = 0
     malformed: list[str] = field(default_factory=list)  # "file:line: reason"
     skipped_files: list[str] = field(default_factory=list)
     sources: list[dict] = field(default_factory=list)
-
-
-# -- readers ---------------------------------------------------------------------------
-def read_txt(path: Path) -> Iterator[Record]:
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        yield Record(f"{path}:{line}", None, "not valid UTF-8", len(raw))
-        return
-    yield _checked(f"{path}:1", text, len(raw))
-
-
-def read_jsonl(path: Path, text_field: str) -> Iterator[Record]:
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(raw)
-            except UnicodeDecodeError:
-                yield Record(where, None, "not valid UTF-8", len(raw))
-                continue
-            except json.JSONDecodeError as e:
-                yield Record(where, None, f"bad JSON ({e.msg})", len(raw))
-                continue
-            if not isinstance(obj, dict) or text_field not in obj:
-                has = f" (fields: {', '.join(sorted(obj)[:8])})" if isinstance(obj, dict) else ""
-                yield Record(where, None, f"no field '{text_field}'{has}", len(raw))
-                continue
-            yield _checked(where, obj[text_field], len(raw), text_field)
-
-
-def read_parquet(path: Path, text_field: str) -> Iterator[Record]:
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    if text_field not in pf.schema_arrow.names:
-        raise PrepError(f"{path}: no column '{text_field}' (has {pf.schema_arrow.names})")
-    row = 0
-    for g in range(pf.num_row_groups):
-        column = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-        share = pf.metadata.row_group(g).total_byte_size // max(len(column), 1)
-        for value in column:
-            row += 1
-            yield _checked(f"{path}:{row}", value, share, text_field)
-
-
-def _checked(where: str, value: object, nbytes: int, name: str = "text") -> Record:
-    if not isinstance(value, str):
-        return Record(where, None, f"'{name}' is {type(value).__name__}, not a string", nbytes)
-    if not value.strip():
-        return Record(where, None, "empty text", nbytes)
-    return Record(where, value, None, nbytes)
-
-
-def records(path: Path, text_field: str) -> Iterator[Record]:
-    kind = FORMATS[path.suffix.lower()]
-    if kind == "txt":
-        return read_txt(path)
-    if kind == "jsonl":
-        return read_jsonl(path, text_field)
-    return read_parquet(path, text_field)
 
 
 def have_pyarrow() -> bool:
@@ -162,76 +98,141 @@ class Progress:
 
 
 # -- the pipeline ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Specials:
+    """What sb-prep puts around every document."""
+
+    bos: int | None
+    eos: int | None  # only with --eos
+    bos_name: str | None
+    eos_name: str | None
+
+
+def resolve_specials(tok: Tokenizer, tokenizer_path: Path, eos: bool) -> Specials:
+    """BOS (and EOS with --eos) from the tokenizer's tokenizer_config.json."""
+    bos_name, eos_name, from_config = special_tokens(tokenizer_path)
+    where = Path(tokenizer_path) / "tokenizer_config.json"
+    ids = {}
+    for key, name in (("bos_token", bos_name), ("eos_token", eos_name)):
+        ids[key] = None if name is None else tok.token_to_id(name)
+        if name is not None and ids[key] is None and from_config:
+            raise PrepError(f"{where}: {key} {name!r} is not in the tokenizer's vocabulary")
+    if eos and ids["eos_token"] is None:
+        raise PrepError(f"{where}: --eos, but the tokenizer names no EOS token (eos_token)")
+    bos_name = bos_name if ids["bos_token"] is not None else None
+    return Specials(ids["bos_token"], ids["eos_token"] if eos else None, bos_name, eos_name)
+
+
+class _Encoder:
+    """Turns records into samples in input order: text in parallel batches, token ids
+    (Megatron) as they are, each with the BOS / EOS the dataset uses."""
+
+    def __init__(self, writer: IndexedWriter, tok: Tokenizer, sp: Specials, report: PrepReport):
+        self.writer, self.tok, self.sp, self.report = writer, tok, sp, report
+        self.batch: list[str] = []
+
+    def add(self, rec: Record, chat: bool = False) -> None:
+        if rec.ids is None and not chat:
+            self.batch.append(rec.value)
+            if len(self.batch) == BATCH_DOCS:
+                self.flush()
+            return
+        self.flush()
+        sp = self.sp
+        if chat:  # the conversation's own mask; BOS and EOS are context
+            ids, mask = render_chatml(self.tok, rec.value)
+            head = [] if sp.bos is None else [sp.bos]
+            tail = [] if sp.eos is None else [sp.eos]
+        else:  # Megatron: keep a BOS / end-of-document id the document already has
+            ids, mask = rec.ids, None
+            head = [sp.bos] if sp.bos is not None and ids[0] != sp.bos else []
+            tail = [sp.eos] if sp.eos is not None and ids[-1] != sp.eos else []
+        if mask is not None:
+            mask = np.concatenate([np.zeros(len(head), bool), mask, np.zeros(len(tail), bool)])
+        ids = np.concatenate([np.asarray(head, np.int64), ids, np.asarray(tail, np.int64)])
+        self._put(ids, mask)
+
+    def flush(self) -> None:
+        """Tokenize the pending texts (in parallel) and append them in order."""
+        head = [] if self.sp.bos is None else [self.sp.bos]
+        tail = [] if self.sp.eos is None else [self.sp.eos]
+        for enc in self.tok.encode_batch(self.batch, add_special_tokens=False):
+            self._put(np.asarray([*head, *enc.ids, *tail], dtype=np.int64))
+        self.batch.clear()
+
+    def _put(self, ids: np.ndarray, mask: np.ndarray | None = None) -> None:
+        self.writer.add(ids, mask)
+        self.report.samples += 1
+        self.report.tokens += len(ids)
+
+
+@dataclass(frozen=True, slots=True)
+class PrepOptions:
+    text_field: str = "text"
+    chat: bool = False
+    strict: bool = False
+    max_malformed: float = MAX_MALFORMED
+    hf: HFOptions = field(default_factory=HFOptions)
+
+
 def prep(
     inputs: list[Path],
     out: Path,
-    tokenizer_path: Path = TOKENIZER_DIR,
+    tokenizer_path: Path | None = None,
     *,
-    text_field: str = "text",
+    text_field: str | None = None,
+    chat: bool = False,
     strict: bool = False,
     eos: bool = False,
     overwrite: bool = False,
     progress: bool = True,
     max_malformed: float = MAX_MALFORMED,
+    hf_dataset: str | None = None,
+    hf: HFOptions | None = None,
 ) -> PrepReport:
-    """Tokenize `inputs` into the dataset directory `out`.
+    """Tokenize `inputs` (and the hub dataset `hf_dataset`) into the directory `out`.
 
-    More than `max_malformed` of a JSONL/Parquet file's records (or of all records)
-    malformed means the input is not what the flags say (a wrong --text-field, another
-    format): that stops the run instead of writing a dataset of the few that parsed."""
-    files = _check_inputs(inputs)
+    `tokenizer_path` None is the shipped tokenizer, except for Megatron inputs: their ids
+    mean nothing without the tokenizer that made them, so it must be named. `chat`:
+    records are conversations (field `text_field`, default "messages"), rendered in
+    ChatML with a loss mask on the assistant turns (sb_titan/data/chat.py).
+    More than `max_malformed` of a file's records (or of all records) malformed means
+    the input is not what the flags say (a wrong --text-field, another format): that
+    stops the run instead of writing a dataset of the few that parsed."""
+    items = _check_inputs(inputs, hf_dataset, tokenizer_path, chat)
+    tokenizer_path = Path(tokenizer_path or TOKENIZER_DIR)
     if (out / META).exists() and not overwrite:
         raise PrepError(f"{out}: already holds a dataset (pass --overwrite to replace it)")
     tok = load_tokenizer(tokenizer_path)
-    specials = [tok.token_to_id(BOS)] + ([tok.token_to_id(EOS)] if eos else [])
-    if None in specials:
-        raise PrepError(f"{tokenizer_path}: tokenizer lacks {BOS}" + (f" or {EOS}" if eos else ""))
-    bos, end = specials[0], specials[1:]
+    sp = resolve_specials(tok, tokenizer_path, eos)
+    if chat and chatml_ids(tok) is None:
+        raise PrepError(
+            f"{tokenizer_path / 'tokenizer.json'}: --chat renders ChatML (Qwen2.5's chat "
+            f"format) and needs {IM_START} and {IM_END} in the vocabulary"
+        )
+    field_name = text_field or ("messages" if chat else "text")
+    opts = PrepOptions(field_name, chat, strict, max_malformed, hf or HFOptions())
     report = PrepReport()
-    parquet_ok = have_pyarrow()
-    bar = Progress(sum(p.stat().st_size for p in files), progress)
-    writer = IndexedWriter(out)
+    bar = Progress(sum(i.nbytes for i in items), progress)
+    writer = IndexedWriter(out, loss_mask=chat)
     (out / "malformed.txt").unlink(missing_ok=True)  # from a replaced dataset
+    encoder = _Encoder(writer, tok, sp, report)
     try:
-        for path in files:
-            if FORMATS[path.suffix.lower()] == "parquet" and not parquet_ok:
-                report.skipped_files.append(f"{path}: skipped, pyarrow is not installed")
-                bar.update(path.stat().st_size)
+        for inp in items:
+            if inp.kind == "parquet" and not have_pyarrow():
+                report.skipped_files.append(f"{inp.path}: skipped, pyarrow is not installed")
+                bar.update(inp.nbytes)
                 continue
-            first, bad = report.samples, len(report.malformed)
-            batch: list[str] = []
-            seen = 0
-            for rec in records(path, text_field):
-                bar.update(rec.nbytes)
-                seen += 1
-                if rec.problem is not None:
-                    if strict:
-                        raise PrepError(f"{rec.where}: {rec.problem}")
-                    report.malformed.append(f"{rec.where}: {rec.problem}")
-                    n_bad = len(report.malformed) - bad
-                    if seen >= EARLY_CHECK_RECORDS and n_bad > max_malformed * seen:
-                        _check_share(path, report.malformed[bad:], seen, max_malformed)
-                    continue
-                batch.append(rec.text)
-                if len(batch) == BATCH_DOCS:
-                    _write(writer, tok, batch, bos, end, report)
-            _write(writer, tok, batch, bos, end, report)
-            if FORMATS[path.suffix.lower()] != "txt":  # a .txt file is one record
-                _check_share(path, report.malformed[bad:], seen, max_malformed)
-            report.sources.append(
-                {
-                    "path": str(path),
-                    "format": FORMATS[path.suffix.lower()],
-                    "first_id": first,
-                    "samples": report.samples - first,
-                    "malformed": len(report.malformed) - bad,
-                }
-            )
+            if inp.kind == "megatron":
+                docs = read_megatron(Path(inp.path), tok.get_vocab_size(), str(tokenizer_path))
+            else:
+                docs = records(inp, opts.text_field, opts.hf)
+            _prep_input(inp, docs, encoder, opts, bar)
         if report.samples == 0:
             raise PrepError("no documents: every input record was malformed or skipped")
         total = report.samples + len(report.malformed)
         _check_share(Path("all inputs"), report.malformed, total, max_malformed)
-        writer.close(_meta(tokenizer_path, text_field, eos, report))
+        writer.close(_meta(tokenizer_path, tok, sp, opts, report))
     except BaseException:
         writer.abort()
         raise
@@ -240,6 +241,36 @@ def prep(
     if report.malformed:
         (out / "malformed.txt").write_text("\n".join(report.malformed) + "\n")
     return report
+
+
+def _prep_input(
+    inp: Input, docs: Iterator[Record], encoder: _Encoder, opts: PrepOptions, bar: Progress
+) -> None:
+    report = encoder.report
+    first, bad, seen = report.samples, len(report.malformed), 0
+    for rec in docs:
+        bar.update(rec.nbytes)
+        seen += 1
+        rec = validate(rec, opts.text_field, opts.chat)
+        if rec.problem is None:
+            encoder.add(rec, opts.chat)
+            continue
+        if opts.strict:
+            raise PrepError(f"{rec.where}: {rec.problem}")
+        report.malformed.append(f"{rec.where}: {rec.problem}")
+        n_bad = len(report.malformed) - bad
+        if seen >= EARLY_CHECK_RECORDS and n_bad > opts.max_malformed * seen:
+            _check_share(Path(inp.path), report.malformed[bad:], seen, opts.max_malformed)
+    encoder.flush()
+    if inp.many_records:
+        _check_share(Path(inp.path), report.malformed[bad:], seen, opts.max_malformed)
+    source = {"path": inp.path, "format": inp.kind}
+    if inp.kind in ("hf-disk", "hf-hub"):
+        source.update(split=opts.hf.split, config=opts.hf.config)
+    source.update(
+        first_id=first, samples=report.samples - first, malformed=len(report.malformed) - bad
+    )
+    report.sources.append(source)
 
 
 def _check_share(where: Path, malformed: list[str], records: int, max_share: float) -> None:
@@ -257,64 +288,98 @@ def _check_share(where: Path, malformed: list[str], records: int, max_share: flo
     )
 
 
-def _check_inputs(inputs: list[Path]) -> list[Path]:
-    if not inputs:
-        raise PrepError("no input files")
+def _check_inputs(
+    inputs: list[Path], hf_dataset: str | None, tokenizer_path: Path | None, chat: bool
+) -> list[Input]:
+    """Inputs in command-line order; a Megatron pair named twice (x.bin x.idx) once."""
+    if not inputs and not hf_dataset:
+        raise PrepError("no inputs (pass --input FILE... and/or --hf-dataset NAME)")
+    items: list[Input] = []
     for p in inputs:
-        if not p.is_file():
-            raise PrepError(f"{p}: not a file")
-        if p.suffix.lower() not in FORMATS:
-            raise PrepError(f"{p}: unknown input type (expected one of {sorted(FORMATS)})")
-    return inputs
+        inp = classify(Path(p))
+        if inp.kind != "megatron" or inp not in items:
+            items.append(inp)
+    if hf_dataset:
+        items.append(Input("hf-hub", hf_dataset, 0))
+    for inp in items:
+        if inp.kind == "megatron" and tokenizer_path is None:
+            raise PrepError(
+                f"{inp.path}: a Megatron dataset holds token ids but not its tokenizer; pass "
+                "--tokenizer DIR, the one it was made with"
+            )
+        if chat and inp.kind in ("txt", "megatron"):
+            raise PrepError(
+                f"{inp.path}: --chat reads conversations from JSONL, Parquet, Arrow or "
+                f"datasets records, not {inp.kind} input"
+            )
+    return items
 
 
-def _write(
-    writer: IndexedWriter,
-    tok: Tokenizer,
-    batch: list[str],
-    bos: int,
-    end: list[int],
-    report: PrepReport,
-) -> None:
-    """Tokenize a batch of documents (in parallel) and append them in order."""
-    for enc in tok.encode_batch(batch, add_special_tokens=False):
-        ids = np.asarray([bos, *enc.ids, *end], dtype=np.int64)
-        writer.add(ids)
-        report.samples += 1
-        report.tokens += len(ids)
-    batch.clear()
-
-
-def _meta(tokenizer_path: Path, text_field: str, eos: bool, report: PrepReport) -> dict:
+def _meta(
+    tokenizer_path: Path, tok: Tokenizer, sp: Specials, opts: PrepOptions, report: PrepReport
+) -> dict:
     tok_file = Path(tokenizer_path) / "tokenizer.json"
     return {
         "created_by": "sb-prep",
         "tokenizer": {
             "path": str(Path(tokenizer_path).resolve()),
             "sha256": hashlib.sha256(tok_file.read_bytes()).hexdigest(),
-            "bos": BOS,
-            "eos": EOS if eos else None,
+            "vocab_size": tok.get_vocab_size(),
+            "bos": sp.bos_name,
+            "eos": sp.eos_name if sp.eos is not None else None,
         },
-        "text_field": text_field,
+        "text_field": opts.text_field,
+        **({"chat_template": "chatml"} if opts.chat else {}),
         "malformed": len(report.malformed),
         "sources": report.sources,
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="sb-prep", description="Tokenize .txt/.jsonl/.parquet files into an indexed dataset."
+        prog="sb-prep",
+        description="Tokenize text (.txt, .jsonl[.gz|.zst], .parquet, .arrow, a datasets "
+        "save_to_disk folder, a hub dataset) or copy Megatron .bin/.idx token data into an "
+        "indexed dataset.",
     )
-    ap.add_argument("--input", nargs="+", required=True, type=Path, metavar="FILE")
+    ap.add_argument(
+        "--input",
+        nargs="+",
+        default=[],
+        type=Path,
+        metavar="PATH",
+        help="files, save_to_disk folders, Megatron .bin/.idx (either file, or the prefix)",
+    )
     ap.add_argument("--out", required=True, type=Path, metavar="DIR")
     ap.add_argument(
         "--tokenizer",
         type=Path,
-        default=TOKENIZER_DIR,
-        metavar="PATH",
-        help="directory holding tokenizer.json (default: the shipped one)",
+        metavar="DIR",
+        help="directory holding tokenizer.json (+ tokenizer_config.json for BOS/EOS), e.g. a "
+        "downloaded Qwen2.5 checkpoint (default: the shipped one; Megatron inputs need it named)",
     )
-    ap.add_argument("--text-field", default="text", help="JSONL field / Parquet column")
+    ap.add_argument(
+        "--text-field",
+        metavar="NAME",
+        help="JSONL field / table column of each document (default text; with --chat messages)",
+    )
+    ap.add_argument(
+        "--chat",
+        action="store_true",
+        help="records are conversations (lists of {role, content}): rendered in ChatML, the "
+        "loss only on assistant turns (supervised fine-tuning)",
+    )
+    ap.add_argument(
+        "--hf-dataset",
+        metavar="NAME",
+        help="also read a datasets.load_dataset name (hub or local path), streamed",
+    )
+    ap.add_argument(
+        "--hf-split",
+        metavar="SPLIT",
+        help="split of --hf-dataset or of a DatasetDict folder (default: train, or the only one)",
+    )
+    ap.add_argument("--hf-config", metavar="NAME", help="configuration of --hf-dataset")
     ap.add_argument("--strict", action="store_true", help="fail on the first malformed record")
     ap.add_argument("--eos", action="store_true", help="also append EOS to every document")
     ap.add_argument("--overwrite", action="store_true", help="replace a dataset in --out")
@@ -326,20 +391,27 @@ def main(argv: list[str] | None = None) -> int:
         help=f"largest share of a file's records that may be skipped (default {MAX_MALFORMED})",
     )
     ap.add_argument("--quiet", action="store_true", help="no progress output")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         report = prep(
             args.input,
             args.out,
             args.tokenizer,
             text_field=args.text_field,
+            chat=args.chat,
             strict=args.strict,
             eos=args.eos,
             overwrite=args.overwrite,
             progress=not args.quiet,
             max_malformed=args.max_malformed,
+            hf_dataset=args.hf_dataset,
+            hf=HFOptions(args.hf_split, args.hf_config),
         )
-    except (PrepError, FileNotFoundError) as e:
+    except (PrepError, InputError, FileNotFoundError) as e:
         print(f"sb-prep: error: {e}", file=sys.stderr)
         return 1
     for line in report.skipped_files:
