@@ -37,7 +37,8 @@ class IndexedDataset:
         self.name = f"indexed({self.path})"
         if not self.path.is_dir():
             raise DatasetError(f"{self.path}: dataset directory not found")
-        self.meta = _read_meta(self.path / META)
+        self.meta_file = self.path / META
+        self.meta = _read_meta(self.meta_file)
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         index = _read_index(self.path / INDEX, self.meta["num_samples"])
         self._offsets = index[:, 0].copy()
@@ -71,6 +72,14 @@ class IndexedDataset:
                 f"above its max_token_id {top} (edited, or tokens.bin from another dataset?)"
             )
         return tokens
+
+    def tokenizer_sha256(self) -> str | None:
+        """sha256 of the tokenizer.json sb-prep encoded with (None: not recorded)."""
+        digest = self.meta.get("tokenizer_sha256")
+        if digest is None:  # sb-prep before the top-level key: under "tokenizer"
+            tokenizer = self.meta.get("tokenizer")
+            digest = tokenizer.get("sha256") if isinstance(tokenizer, dict) else None
+        return digest
 
     def max_token_id(self) -> int:
         """From meta.json; datasets written before it was recorded are scanned once."""

@@ -46,7 +46,7 @@ from sb_titan.balance.snapshots import CostModelSnapshots
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.loader import SBDataLoader, StepPlanning
-from sb_titan.data.source import check_vocabulary
+from sb_titan.data.source import check_tokenizer, check_vocabulary
 from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
@@ -130,9 +130,10 @@ class SBTrainer(Trainer):
         self._first_step: int | None = None
         if tensorboard:
             add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
-        check_vocabulary(  # also run before spawning; here for launches without run_train.sh
-            self.dataloader.source, config.model_spec.model.vocab_size, config.model.flavor
-        )
+        source = self.dataloader.source  # checked before spawning too (config/preflight.py)
+        check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+        if note := check_tokenizer(source, config.hf_assets_path):
+            logger.info(note)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule.run_context = self._run
         self._clock = BlockClock(self.device)
@@ -413,8 +414,9 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     needs = [name for name, on in wants if on]
     if model is None and needs:  # a config problem: no restart will fix it (elastic.py)
         raise ProfileError(
-            f"{' and '.join(needs)} need a latency profile: run `sb-profile --config <this "
-            "config> --out profiles/NAME.json` and set cost_model.profile, or opt in to "
+            f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} a latency profile: "
+            "run `sb-profile --config <this config> --out profiles/NAME.json` and set "
+            "cost_model.profile, or opt in to "
             "the analytic model with cost_model.analytic_device = 'h100' | 'h200' | 'cpu'"
         )
     return model

@@ -391,7 +391,10 @@ class CostModel:
             )
             msg = f"{self.profile.source}: profile fingerprint mismatch: {detail}"
             if strict:
-                raise ProfileError(msg)
+                raise ProfileError(
+                    f"{msg} (cost_model.strict_fingerprint = true: re-run sb-profile for "
+                    "this config, or set it false to only warn)"
+                )
             logger.warning(msg)
         return diffs
 
