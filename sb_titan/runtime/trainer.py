@@ -47,7 +47,7 @@ from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.loader import SBDataLoader, StepPlanning
 from sb_titan.data.source import check_tokenizer, check_vocabulary
-from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
+from sb_titan.models.qwen2_5 import FLAVORS, Flavor, model_dims, model_registry
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
     SparseAttentionConfig,
@@ -70,8 +70,8 @@ from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboa
 class ModelConfig:
     """The `[model]` section: which Qwen2.5 to build."""
 
-    flavor: str = "debug"
-    """One of sb_titan.models.qwen2_5.FLAVORS."""
+    flavor: Flavor = "debug"
+    """Model size: `debug` (tiny, for CPU) or a published Qwen2.5 size."""
     tie_embeddings: bool | None = None
     """Override the flavor's tying (pipeline parallelism needs untied)."""
     rope_theta: float | None = None
