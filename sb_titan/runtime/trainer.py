@@ -54,6 +54,7 @@ from sb_titan.models.qwen2_5.attention import (
 )
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
+from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
@@ -64,6 +65,7 @@ from sb_titan.runtime.measurements import (
 )
 from sb_titan.runtime.schedule import with_microbatch_schedules
 from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
+from sb_titan.util.repeats import Repeats
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,6 +102,7 @@ class SBTrainer(Trainer):
         checkpoint: IntegrityCheckpointManager.Config = field(
             default_factory=IntegrityCheckpointManager.Config
         )
+        metrics: SBMetricsProcessor.Config = field(default_factory=SBMetricsProcessor.Config)
 
         def rebuild_model_spec(self) -> None:
             """model_spec is hidden from the CLI; it is always derived from [model] and
@@ -117,6 +120,7 @@ class SBTrainer(Trainer):
         self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._run = RunContext()
+        self._repeats = Repeats()  # warnings that recur every step, rate-limited
         self.cost_model = build_run_cost_model(config)
         self.snapshots = (
             None
@@ -214,8 +218,8 @@ class SBTrainer(Trainer):
         self._clock.reset()
         self._mb_stats = {}
         t0 = _now(self.device)
-        super().train_step(data_iterator)
-        self._after_step(_now(self.device) - t0)
+        super().train_step(data_iterator)  # TorchTitan's step line waits for finish_step
+        self.metrics_processor.finish_step(self.step, self._after_step(_now(self.device) - t0))
 
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
         seconds = self._clock.seconds()
@@ -231,13 +235,14 @@ class SBTrainer(Trainer):
             "step_seconds": step_seconds,
         }
 
-    def _after_step(self, step_seconds: float) -> None:
-        """Gather every rank's measurements; all ranks then do identical work with them."""
+    def _after_step(self, step_seconds: float) -> dict[str, Any] | None:
+        """Gather every rank's measurements; all ranks then do identical work with them.
+        Returns the recipe's metrics of a step TorchTitan logs."""
         local = encode_measurements(self._local_measurements(step_seconds), self._microbatches)
         gathered = all_gather_flat(local.to(self.device))
         plan = self._step_plan
         if plan is None:
-            return
+            return None
         gathered = decode_measurements(gathered, self._microbatches)
         m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
         if self.cost_model is not None:
@@ -269,15 +274,16 @@ class SBTrainer(Trainer):
             planner.observe(ids, dens, step=plan.step)
         if self.snapshots is not None:  # plans step plan.step + plan_lag
             self.snapshots.publish(plan.step, self.cost_model)
-        if self.metrics_processor.should_log(self.step):
-            self._log_recipe_metrics(m, predicted)
+        if not self.metrics_processor.should_log(self.step):
+            return None
+        return self._recipe_metrics(m, predicted)
 
     def _attention_modules(self) -> list[SBAttention]:
         return [
             m for part in self.model_parts for m in part.modules() if isinstance(m, SBAttention)
         ]
 
-    def _log_recipe_metrics(self, m: StepMeasurements, predicted) -> None:
+    def _recipe_metrics(self, m: StepMeasurements, predicted) -> dict[str, Any]:
         metrics = m.metrics()
         plan = self._step_plan
         real = sum(mb.num_tokens for rank in plan.microbatches for mb in rank)
@@ -316,8 +322,8 @@ class SBTrainer(Trainer):
                 metrics["cost_model/ape_mean"] = float(ape.mean())
             warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
             if warning:
-                logger.warning(warning)
-        self.metrics_processor.logger.log(metrics, self.step)
+                self._repeats.warning(logger, "cost_model_drift", warning)
+        return metrics
 
     # -- debug logs ----------------------------------------------------------------------------
     def _start_logs(self, first_step: int) -> None:
