@@ -63,8 +63,9 @@ def test_param_groups_array_of_tables(tmp_path):
         ("[training]\nsteps = 'many'\n", ["'training.steps'", "expected int"]),
         ("[model]\nflavor = '13b'\n", ["model.flavor", "'13b'", "0.5b"]),
         ("[sparse_attention]\npolicy = 'random'\n", ["sparse_attention.policy", "'random'"]),
-        ("[sab]\npolicy = 'magic'\n", ["sab.policy"]),
-        ("[dst]\nanchor = 'p99'\n", ["dst.anchor"]),
+        ("[sab]\npolicy = 'magic'\n", ["'sab.policy' = 'magic', expected one of 'sab', 'tok"]),
+        ("[dst]\nanchor = 'p99'\n", ["'dst.anchor' = 'p99', expected one of 'min', 'mean'"]),
+        ("[cost_model]\nanalytic_device = 'a100'\n", ["one of 'h100', 'h200', 'cpu'"]),
         ("[training\nsteps = 3\n", ["invalid TOML"]),
     ],
 )
@@ -171,11 +172,25 @@ def test_flex_training_on_cpu_is_refused_before_launch(tmp_path):
     "launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.tools.train"]]
 )
 def test_help_prints_usage_and_exits_0(launcher):
-    """--help printed the help, then a config error, and exited 2."""
+    """--help prints the usage and every override, with the real choices of the recipe's
+    named values (not "one of POLICIES" typed STR), and exits 0."""
+    env = cpu_env(COLUMNS="200")  # wide enough that no choice list wraps
     proc = subprocess.run(
-        [*launcher, "--help"], cwd=REPO, capture_output=True, text=True, timeout=180, env=cpu_env()
+        [*launcher, "--help"], cwd=REPO, capture_output=True, text=True, timeout=180, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: sb-train --config_file" in proc.stdout
     assert "--training.steps" in proc.stdout
     assert "error" not in proc.stderr
+    for choices in (
+        "--model.flavor {debug,0.5b,1.5b,3b,7b}",
+        "--sab.policy {sab,tokens,sequential}",
+        "--sab.long-docs {split,truncate,drop}",
+        "--dst.anchor {min,mean,median,max,recall}",
+        "--sparse-attention.policy {mass,topk}",
+        "--sparse-attention.backend {auto,torch,triton,flex}",
+        "--cost-model.analytic-device {None,h100,h200,cpu}",
+    ):
+        assert choices in proc.stdout, choices
+    for unresolved in ("FLAVORS", "POLICIES", "ANCHORS", "BACKENDS"):
+        assert unresolved not in proc.stdout

@@ -9,11 +9,14 @@ computed with exactly the budget and document layout the plan gave that micro-ba
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 from conftest import sample_log, torchrun
+
+from sb_titan.runtime.tensorboard import read_layout, read_scalars
 
 pytestmark = pytest.mark.torchrun
 
@@ -129,3 +132,24 @@ def test_dp_ranks_agree_on_every_plan_and_budget(tmp_path, policy):
     for rank, log in ((0, a), (1, b)):  # each rank trains its own row of the vector
         for e in log:
             assert e["budget"] == e["step_budgets"][rank][e["microbatch"]]
+    _check_layout(tmp_path)
+
+
+def _check_layout(dump: Path) -> None:
+    """The run's TensorBoard folder holds the Custom Scalars layout, and every line of
+    every chart is a scalar this run logged."""
+    layout = read_layout(dump)
+    assert list(layout) == [
+        "SparseBalance: balance",
+        "SparseBalance: budgets",
+        "SparseBalance: sparsity",
+        "SparseBalance: cost model",
+    ]
+    logged = set(read_scalars(dump))
+    for category, charts in layout.items():
+        for title, patterns in charts.items():
+            for pattern in patterns:
+                hits = [tag for tag in logged if re.fullmatch(pattern, tag)]
+                assert len(hits) == 1, (category, title, pattern, hits)
+    (budgets,) = layout["SparseBalance: budgets"].values()
+    assert [p.strip("^$") for p in budgets] == [f"dst/budget_{s}" for s in ("min", "mean", "max")]

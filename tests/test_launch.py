@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, TINY, cpu_env, losses, scalars
 
 pytestmark = pytest.mark.torchrun
@@ -36,6 +37,18 @@ def test_default_run(tmp_path):
     assert last < first - 0.5, loss
     density = scalars(tmp_path, "sparsity/density")
     assert density and all(0 < d <= 1 for d in density.values())
+    # The console: every step line carries the recipe's signals and, on CPU, neither
+    # memory (CUDA allocator statistics) nor MFU; TorchTitan's harmless messages are gone.
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if "step: " in line and "loss: " in line]
+    assert len(lines) == len(loss), lines[:3]
+    for field in ("imbalance: ", "bubble: ", "budget: ", "density: "):
+        assert all(field in line for line in lines), field
+    if not torch.cuda.is_available():
+        assert not [line for line in lines if "memory" in line or "mfu" in line]
+        assert "Peak flops undefined" not in out and "CPU memory usage" not in out
+    assert "initial_load_model_only=True has no effect" not in out
+    assert scalars(tmp_path, "balance/rank_imbalance")  # the same values in TensorBoard
 
 
 def test_two_nodes_on_loopback(tmp_path):

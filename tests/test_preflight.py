@@ -10,6 +10,9 @@ import pytest
 from conftest import DEBUG_TOML, REPO, cpu_env, indexed_args
 
 from sb_titan.data.indexed import META, DatasetError, IndexedDataset, IndexedWriter
+from sb_titan.data.tokenizer import BOS, EOS, PAD, TOKENIZER_DIR
+from sb_titan.runtime.elastic import FATAL_FILE
+from sb_titan.tools import prep
 from sb_titan.tools.train import main
 
 VOCAB = 1024  # the debug flavor's
@@ -34,6 +37,21 @@ def _check(capsys, *args: str, world: str | None = None, monkeypatch=None) -> st
     assert exit_.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "config error" in line]
     assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, flag="--prelaunch") -> str:
+    """What run_train.sh runs before torchrun (`--prelaunch`, or `--check-config`): exit
+    status 2 and one line on stderr (log records go to stdout); nothing is written."""
+    dump = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main([flag, "--config_file", str(config), "--dump_folder", str(dump), *args])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sb_titan: config error: "), err
+    assert str(config) in lines[0]
+    assert not dump.exists() and FATAL_FILE not in out  # no rank spawns, no run folder
     return lines[0]
 
 
@@ -91,7 +109,7 @@ def test_corrupt_datasets(tmp_path, capsys, breakage, needle):
 
 def test_latency_profile_problems(tmp_path, capsys):
     line = _check(capsys, "--sab.policy", "sab")
-    assert "sab.policy='sab' need a latency profile" in line
+    assert "sab.policy='sab' needs a latency profile" in line
     line = _check(capsys, "--dst.enabled", "--cost_model.profile", str(tmp_path / "nope.json"))
     assert f"no latency profile at {tmp_path / 'nope.json'}" in line
     bad = tmp_path / "bad.json"
@@ -123,3 +141,128 @@ def test_run_train_sh_stops_before_spawning(tmp_path):
     assert "token id 5000 does not fit" in proc.stderr
     assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- every case a launch refuses: exit 2, one line naming file and key, no rank ------------
+E2E_PROFILE = REPO / "profiles" / "e2e_cpu.json"
+
+
+def _other_tokenizer(path):
+    """A real byte-level BPE trained here: another tokenizer with a small vocabulary, so
+    its ids fit the debug model's and only the tokenizer check can tell."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _prepared(tmp_path, tokenizer=TOKENIZER_DIR):
+    """A dataset made by sb-prep itself, with the tokenizer given."""
+    text = tmp_path / "docs.jsonl"
+    text.write_text("".join(json.dumps({"text": f"doc {i} " * 300}) + "\n" for i in range(8)))
+    out = tmp_path / f"prepared_{tokenizer.name}"
+    args = ["--input", str(text), "--out", str(out), "--tokenizer", str(tokenizer), "--quiet"]
+    assert prep.main(args) == 0
+    return out
+
+
+CASES = {
+    "sab_without_profile": (["--sab.policy", "sab"], ["sab.policy='sab' needs a latency profile"]),
+    "dst_without_profile": (["--dst.enabled"], ["dst.enabled needs a latency profile"]),
+    "profile_missing": (
+        ["--dst.enabled", "--cost_model.profile", "nope.json"],
+        ["no latency profile at nope.json"],
+    ),
+    "fingerprint_mismatch": (
+        ["--dst.enabled", "--cost_model.strict_fingerprint"]
+        + ["--cost_model.profile", str(E2E_PROFILE)],
+        [f"{E2E_PROFILE}: profile fingerprint mismatch", "cost_model.strict_fingerprint"],
+    ),
+    "dataset_path_missing": (
+        ["--dataloader.dataset", "indexed"],
+        ["dataloader.dataset_path: required when dataloader.dataset = 'indexed'"],
+    ),
+    "dataset_path_not_found": (
+        ["--dataloader.dataset", "indexed", "--dataloader.dataset_path", "no/such/dir"],
+        ["dataloader.dataset_path = no/such/dir: dataset directory not found"],
+    ),
+    "hf_assets_path_not_found": (
+        ["--hf_assets_path", "no/such/assets"],
+        ["hf_assets_path = no/such/assets: no such folder"],
+    ),
+}
+
+
+@pytest.mark.parametrize("flag", ["--prelaunch", "--check-config"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_case_is_refused_before_launch(capsys, tmp_path, case, flag):
+    args, needles = CASES[case]
+    line = _refused(capsys, tmp_path, *args, flag=flag)
+    assert all(n in line for n in needles), line
+
+
+def test_vocabulary_mismatch_is_refused_before_launch(capsys, tmp_path):
+    data = _dataset(tmp_path / "big_ids", top_id=5000)
+    line = _refused(capsys, tmp_path, *indexed_args(data))
+    assert "token id 5000 does not fit the model's vocabulary of 1024 (model.flavor" in line
+
+
+def test_tokenizer_mismatch_is_refused_before_launch(capsys, tmp_path):
+    """sb-prep with another tokenizer: every id fits the vocabulary, the hash does not."""
+    data = _prepared(tmp_path, _other_tokenizer(tmp_path / "other"))
+    line = _refused(capsys, tmp_path, *indexed_args(data))
+    assert f"{data / META}: tokenizer.sha256 = " in line, line
+    assert f"hf_assets_path = {str(TOKENIZER_DIR)!r}" in line, line
+
+
+def test_the_model_tokenizer_passes_and_older_datasets_get_a_note(capsys, tmp_path, monkeypatch):
+    """A match passes silently; meta.json without the hash passes with a note (a log
+    record: TorchTitan's logger writes to stdout)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    data = _prepared(tmp_path)
+    main(["--check-config", "--config_file", str(DEBUG_TOML), *indexed_args(data)])
+    assert "tokenizer.sha256" not in capsys.readouterr().out
+    meta = json.loads((data / META).read_text())
+    meta.pop("tokenizer", None)
+    (data / META).write_text(json.dumps(meta))
+    main(["--check-config", "--config_file", str(DEBUG_TOML), *indexed_args(data)])
+    out = capsys.readouterr().out
+    assert f"{data / META}: no tokenizer.sha256 (prepared by an older sb-prep)" in out
+
+
+@pytest.mark.parametrize("name", ["qwen2.5_0.5b_64k", "qwen2.5_3b_128k"])
+def test_shipped_cluster_configs_ask_for_a_profile(capsys, tmp_path, name):
+    """They turn on SAB and DST for GPUs this repo cannot profile: the launch stops at
+    the missing profile, naming both keys that would fix it (see the configs' comments)."""
+    config = REPO / "train_configs" / f"{name}.toml"
+    line = _refused(capsys, tmp_path, config=config)
+    assert "dst.enabled and sab.policy='sab' need a latency profile" in line
+    assert "cost_model.profile" in line and "cost_model.analytic_device" in line
+    # With the analytic fallback the next thing the user must supply is named.
+    line = _refused(capsys, tmp_path, "--cost_model.analytic_device", "h100", config=config)
+    assert "hf_assets_path = ./assets/Qwen2.5-" in line, line
+
+
+def test_run_train_sh_stops_a_cluster_config_before_spawning(tmp_path):
+    config = REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
+    proc = subprocess.run(
+        ["./run_train.sh", "--dump_folder", str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=cpu_env(CONFIG_FILE=str(config), NGPU="8"),
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "need a latency profile" in lines[0], proc.stderr
+    assert "[rank" not in proc.stdout + proc.stderr and not (tmp_path / "out").exists()

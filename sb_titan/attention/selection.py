@@ -22,7 +22,7 @@ one long document among short ones widens every row of the forward side.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -33,7 +33,8 @@ from sb_titan.attention.estimator import (
     sink_blocks,
 )
 
-POLICIES = ("mass", "topk")
+Policy = Literal["mass", "topk"]  # a Literal, so the CLI help lists the choices
+POLICIES: tuple[str, ...] = get_args(Policy)
 BLOCK_SIZES = (64, 128)
 MASS_TOL = 1e-6  # `mass` stops once kept mass >= beta - MASS_TOL (fp32 cumsum slack)
 TOPK_SLACK = 1e-6  # ceil(beta * n * (1 - slack)): beta=0.1 stored in fp32 keeps 1 of 10

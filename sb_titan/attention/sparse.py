@@ -11,6 +11,7 @@ custom ops (attention/ops.py), so a compiled block traces them as two graph node
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 
@@ -18,7 +19,8 @@ from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import block_sparse_attention, select
 from sb_titan.attention.selection import AttnStats
 
-BACKENDS = ("auto", "torch", "triton", "flex")
+Backend = Literal["auto", "torch", "triton", "flex"]  # a Literal: the CLI help lists them
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 def resolve_backend(backend: str, device_type: str) -> str:

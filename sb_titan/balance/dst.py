@@ -25,12 +25,14 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 
 from sb_titan.balance.cost_model import POLICIES, CostModel, Unit, UnitBatch
 
-ANCHORS = ("min", "mean", "median", "max", "recall")
+Anchor = Literal["min", "mean", "median", "max", "recall"]  # the CLI help lists them
+ANCHORS: tuple[str, ...] = get_args(Anchor)
 _ANCHOR_BISECT_STEPS = 40  # fixed (identical on every rank); on the table, so cheap
 _TABLE_POINTS = 16  # grid intervals on each side of beta0 in the recall table
 _REFINE_ROUNDS = 6  # exact checks of the recall anchor before falling back to max
@@ -42,8 +44,9 @@ class DSTConfig:
 
     enabled: bool = True
     """Off: every unit trains at beta0 (predictions are still made, for logging)."""
-    anchor: str = "mean"
-    """What to pull the units' predicted latencies toward: one of ANCHORS. The paper
+    anchor: Anchor = "mean"
+    """What to pull the units' predicted latencies toward (min, mean, median or max of
+    them, or `recall`). The paper
     found mean best and min harmful; `recall` is the fastest target that keeps the
     step's predicted recall at beta0's (accuracy-neutral)."""
     p: float = 0.1

@@ -5,13 +5,13 @@ own launcher."""
 from __future__ import annotations
 
 from torchtitan.components.loss import CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
 from sb_titan.data.loader import SBDataLoader
 from sb_titan.data.tokenizer import TOKENIZER_DIR
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
+from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.trainer import SBTrainer
 
 
@@ -21,7 +21,7 @@ def sb_titan_base() -> SBTrainer.Config:
         hf_assets_path=str(TOKENIZER_DIR),
         dump_folder="./outputs",
         loss=CrossEntropyLoss.Config(),
-        metrics=MetricsProcessor.Config(log_freq=1, enable_tensorboard=True),
+        metrics=SBMetricsProcessor.Config(log_freq=1, enable_tensorboard=True),
         dataloader=SBDataLoader.Config(),
         optimizer=default_adamw(lr=3e-3),
         lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8),

@@ -4,8 +4,9 @@ traceback from every rank 15-35 s into the job.
 
 What can be known from files and metadata alone is checked here: the config, the
 latency profile (present, parseable, matching), the step shape for the launch's world
-size, the dataset's files and their consistency, and that its token ids fit the model's
-vocabulary, and the checkpoint a resume would load.
+size, the model's tokenizer folder, the dataset's files and their consistency, that its
+token ids fit the model's vocabulary and come from the model's tokenizer, and the
+checkpoint a resume would load.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchtitan.tools.logging import logger
+
 from sb_titan.config.toml import ConfigError
-from sb_titan.data.source import check_vocabulary
+from sb_titan.data.source import check_tokenizer, check_vocabulary
 
 
 def preflight(config: Any, path: str | Path | None) -> None:
@@ -31,8 +34,21 @@ def preflight(config: Any, path: str | Path | None) -> None:
         if world is not None:
             step_shape(config, int(world))
         build_run_cost_model(config)
+        check_assets(config.hf_assets_path)
         source = build_source(config.dataloader, config.training.seq_len)
         check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+        note = check_tokenizer(source, config.hf_assets_path)
     except ValueError as e:  # ProfileError, DatasetError, VocabularyError included
         raise ConfigError(f"{where}: {e}") from None
+    if note:
+        logger.warning(note)
     check_checkpoint_folder(config)  # raises CheckpointIntegrityError, naming file and step
+
+
+def check_assets(hf_assets_path: str) -> None:
+    """TorchTitan builds the model's tokenizer from hf_assets_path on every rank."""
+    if not os.path.isdir(hf_assets_path):
+        raise ValueError(
+            f"hf_assets_path = {hf_assets_path}: no such folder (the model's tokenizer, "
+            "tokenizer.json; the shipped one is sb_titan/assets/tokenizer)"
+        )

@@ -174,9 +174,15 @@ def _check_type(value: Any, hint: Any, file: str, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and _is_float_hint(hint):
             return float(value)
         return value
-    raise ConfigError(
-        f"{file}: '{where}' = {value!r} has type {type(value).__name__}, expected {_describe(hint)}"
-    )
+    kind = "," if _has_literal(hint) else f" has type {type(value).__name__},"
+    raise ConfigError(f"{file}: '{where}' = {value!r}{kind} expected {_describe(hint)}")
+
+
+def _has_literal(hint: Any) -> bool:
+    """A choice of values (e.g. `sab.policy`): the value is wrong, not its type."""
+    if typing.get_origin(hint) is typing.Literal:
+        return True
+    return any(_has_literal(h) for h in typing.get_args(hint))
 
 
 def _matches(value: Any, hint: Any) -> bool:

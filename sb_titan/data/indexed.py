@@ -41,7 +41,8 @@ class IndexedDataset:
         self.name = f"indexed({self.path})"
         if not self.path.is_dir():
             raise DatasetError(f"{self.path}: dataset directory not found")
-        self.meta = _read_meta(self.path / META)
+        self.meta_file = self.path / META
+        self.meta = _read_meta(self.meta_file)
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         index = _read_index(self.path / INDEX, self.meta["num_samples"])
         self._offsets = index[:, 0].copy()
@@ -85,6 +86,11 @@ class IndexedDataset:
             return None
         at = int(self._offsets[sample_id]) + start
         return self._mask[at : at + length] != 0
+
+    def tokenizer_sha256(self) -> str | None:
+        """sha256 of the tokenizer.json sb-prep encoded with (None: not recorded)."""
+        tokenizer = self.meta.get("tokenizer")
+        return tokenizer.get("sha256") if isinstance(tokenizer, dict) else None
 
     def max_token_id(self) -> int:
         """From meta.json; datasets written before it was recorded are scanned once."""

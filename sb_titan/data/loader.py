@@ -14,6 +14,7 @@ cost-model snapshot (balance/snapshots.py): off the training step's critical pat
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import threading
 from collections.abc import Iterator
@@ -300,6 +301,11 @@ def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:
         if not config.dataset_path:
             raise ValueError(
                 "dataloader.dataset_path: required when dataloader.dataset = 'indexed'"
+            )
+        if not os.path.isdir(config.dataset_path):
+            raise ValueError(
+                f"dataloader.dataset_path = {config.dataset_path}: dataset directory not "
+                "found (sb-prep writes one)"
             )
         return IndexedDataset(config.dataset_path)
     raise ValueError(

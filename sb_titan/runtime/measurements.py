@@ -185,6 +185,7 @@ class StepMeasurements:
             busy = np.asarray(list(self.rank_compute.values())) / self.step_seconds
             out["balance/bubble_share"] = float(np.clip(1.0 - busy, 0.0, 1.0).mean())
         if len(mb_times) and per_dp:
+            out["balance/step_s"] = self.step_seconds  # what ideal_step_s is cut from
             out["balance/microbatch_max_s"] = float(mb_times.max())
             out["balance/microbatch_mean_s"] = float(mb_times.mean())
             out["balance/ideal_step_s"] = self.step_seconds - self._excess_over_balanced()

@@ -46,14 +46,15 @@ from sb_titan.balance.snapshots import CostModelSnapshots
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.loader import SBDataLoader, StepPlanning
-from sb_titan.data.source import check_vocabulary
-from sb_titan.models.qwen2_5 import FLAVORS, model_dims, model_registry
+from sb_titan.data.source import check_tokenizer, check_vocabulary
+from sb_titan.models.qwen2_5 import FLAVORS, Flavor, model_dims, model_registry
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
     SparseAttentionConfig,
 )
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
+from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
@@ -64,14 +65,15 @@ from sb_titan.runtime.measurements import (
 )
 from sb_titan.runtime.schedule import with_microbatch_schedules
 from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
+from sb_titan.util.repeats import Repeats
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The `[model]` section: which Qwen2.5 to build."""
 
-    flavor: str = "debug"
-    """One of sb_titan.models.qwen2_5.FLAVORS."""
+    flavor: Flavor = "debug"
+    """Model size: `debug` (tiny, for CPU) or a published Qwen2.5 size."""
     tie_embeddings: bool | None = None
     """Override the flavor's tying (pipeline parallelism needs untied)."""
     rope_theta: float | None = None
@@ -100,6 +102,7 @@ class SBTrainer(Trainer):
         checkpoint: IntegrityCheckpointManager.Config = field(
             default_factory=IntegrityCheckpointManager.Config
         )
+        metrics: SBMetricsProcessor.Config = field(default_factory=SBMetricsProcessor.Config)
 
         def rebuild_model_spec(self) -> None:
             """model_spec is hidden from the CLI; it is always derived from [model] and
@@ -117,6 +120,7 @@ class SBTrainer(Trainer):
         self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._run = RunContext()
+        self._repeats = Repeats()  # warnings that recur every step, rate-limited
         self.cost_model = build_run_cost_model(config)
         self.snapshots = (
             None
@@ -130,9 +134,10 @@ class SBTrainer(Trainer):
         self._first_step: int | None = None
         if tensorboard:
             add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
-        check_vocabulary(  # also run before spawning; here for launches without run_train.sh
-            self.dataloader.source, config.model_spec.model.vocab_size, config.model.flavor
-        )
+        source = self.dataloader.source  # checked before spawning too (config/preflight.py)
+        check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+        if note := check_tokenizer(source, config.hf_assets_path):
+            logger.info(note)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule.run_context = self._run
         self._clock = BlockClock(self.device)
@@ -213,8 +218,8 @@ class SBTrainer(Trainer):
         self._clock.reset()
         self._mb_stats = {}
         t0 = _now(self.device)
-        super().train_step(data_iterator)
-        self._after_step(_now(self.device) - t0)
+        super().train_step(data_iterator)  # TorchTitan's step line waits for finish_step
+        self.metrics_processor.finish_step(self.step, self._after_step(_now(self.device) - t0))
 
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
         seconds = self._clock.seconds()
@@ -230,13 +235,14 @@ class SBTrainer(Trainer):
             "step_seconds": step_seconds,
         }
 
-    def _after_step(self, step_seconds: float) -> None:
-        """Gather every rank's measurements; all ranks then do identical work with them."""
+    def _after_step(self, step_seconds: float) -> dict[str, Any] | None:
+        """Gather every rank's measurements; all ranks then do identical work with them.
+        Returns the recipe's metrics of a step TorchTitan logs."""
         local = encode_measurements(self._local_measurements(step_seconds), self._microbatches)
         gathered = all_gather_flat(local.to(self.device))
         plan = self._step_plan
         if plan is None:
-            return
+            return None
         gathered = decode_measurements(gathered, self._microbatches)
         m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
         if self.cost_model is not None:
@@ -268,15 +274,16 @@ class SBTrainer(Trainer):
             planner.observe(ids, dens, step=plan.step)
         if self.snapshots is not None:  # plans step plan.step + plan_lag
             self.snapshots.publish(plan.step, self.cost_model)
-        if self.metrics_processor.should_log(self.step):
-            self._log_recipe_metrics(m, predicted)
+        if not self.metrics_processor.should_log(self.step):
+            return None
+        return self._recipe_metrics(m, predicted)
 
     def _attention_modules(self) -> list[SBAttention]:
         return [
             m for part in self.model_parts for m in part.modules() if isinstance(m, SBAttention)
         ]
 
-    def _log_recipe_metrics(self, m: StepMeasurements, predicted) -> None:
+    def _recipe_metrics(self, m: StepMeasurements, predicted) -> dict[str, Any]:
         metrics = m.metrics()
         plan = self._step_plan
         real = sum(mb.num_tokens for rank in plan.microbatches for mb in rank)
@@ -315,8 +322,8 @@ class SBTrainer(Trainer):
                 metrics["cost_model/ape_mean"] = float(ape.mean())
             warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
             if warning:
-                logger.warning(warning)
-        self.metrics_processor.logger.log(metrics, self.step)
+                self._repeats.warning(logger, "cost_model_drift", warning)
+        return metrics
 
     # -- debug logs ----------------------------------------------------------------------------
     def _start_logs(self, first_step: int) -> None:
@@ -413,8 +420,9 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
     needs = [name for name, on in wants if on]
     if model is None and needs:  # a config problem: no restart will fix it (elastic.py)
         raise ProfileError(
-            f"{' and '.join(needs)} need a latency profile: run `sb-profile --config <this "
-            "config> --out profiles/NAME.json` and set cost_model.profile, or opt in to "
+            f"{' and '.join(needs)} need{'s' if len(needs) == 1 else ''} a latency profile: "
+            "run `sb-profile --config <this config> --out profiles/NAME.json` and set "
+            "cost_model.profile, or opt in to "
             "the analytic model with cost_model.analytic_device = 'h100' | 'h200' | 'cpu'"
         )
     return model

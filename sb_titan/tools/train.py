@@ -16,6 +16,7 @@ from sb_titan import compat
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import CheckpointIntegrityError
+from sb_titan.runtime.console import install_log_filter
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
@@ -70,9 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     prelaunch = "--prelaunch" in argv
     check_only = prelaunch or "--check-config" in argv
     argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
+    import torch
     from torchtitan.tools.logging import init_logger
 
     init_logger()  # before parsing: it logs what an HF initial load changes in [model]
+    install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
     try:
         config = parse(argv, check=check_only)
         if prelaunch:

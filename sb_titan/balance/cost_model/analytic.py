@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -87,6 +87,7 @@ ANALYTIC_DEVICES: dict[str, dict[str, float]] = {
     # One CPU core in fp32: a rough order of magnitude, for wiring tests only.
     "cpu": {"peak_flops": 5e10, "gemm_efficiency": 0.5, "attn_efficiency": 0.2},
 }
+AnalyticDevice = Literal[tuple(ANALYTIC_DEVICES)]  # the CLI help lists them
 
 
 def analytic_spec(

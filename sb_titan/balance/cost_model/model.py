@@ -24,7 +24,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from sb_titan.balance.cost_model.analytic import ANALYTIC_DEVICES, AnalyticSpec, analytic_profile
+from sb_titan.balance.cost_model.analytic import (
+    ANALYTIC_DEVICES,
+    AnalyticDevice,
+    AnalyticSpec,
+    analytic_profile,
+)
 from sb_titan.balance.cost_model.batch import UnitBatch
 from sb_titan.balance.cost_model.blocks import (
     MicroBatch,
@@ -391,7 +396,10 @@ class CostModel:
             )
             msg = f"{self.profile.source}: profile fingerprint mismatch: {detail}"
             if strict:
-                raise ProfileError(msg)
+                raise ProfileError(
+                    f"{msg} (cost_model.strict_fingerprint = true: re-run sb-profile for "
+                    "this config, or set it false to only warn)"
+                )
             logger.warning(msg)
         return diffs
 
@@ -437,8 +445,8 @@ class CostModelConfig:
 
     profile: str | None = None
     """A `sb-profile` JSON measured on this device for this model and stage split."""
-    analytic_device: str | None = None
-    """Explicit opt-in FLOP model instead of (or when missing) a profile: h100, h200, cpu."""
+    analytic_device: AnalyticDevice | None = None
+    """Explicit opt-in FLOP model instead of (or when missing) a profile."""
     strict_fingerprint: bool = False
     """A profile measured on another device/software/model is an error, not a warning."""
     refit: bool = True

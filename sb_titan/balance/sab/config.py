@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-POLICIES = ("sab", "tokens", "sequential")
-
-
-LONG_DOC_MODES = ("split", "truncate", "drop")
+# Literal types, so the CLI help and the TOML errors list the choices.
+Policy = Literal["sab", "tokens", "sequential"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+LongDocMode = Literal["split", "truncate", "drop"]
+LONG_DOC_MODES: tuple[str, ...] = get_args(LongDocMode)
 
 
 @dataclass(kw_only=True, slots=True)
 class SABConfig:
-    policy: str = "sab"
-    """Packing policy: one of POLICIES."""
-    long_docs: str = "split"
+    policy: Policy = "sab"
+    """Packing policy: `sab` (price pieces by predicted latency at their density;
+    needs a cost model), `tokens` (the same packer, cost = token count), `sequential`
+    (rows filled in data order: the baseline)."""
+    long_docs: LongDocMode = "split"
     """Documents longer than a row: `split` into row-sized chunks, `truncate`, or `drop`."""
     shuffle: bool = True
     """Visit samples in a seeded random order each epoch (else in id order)."""

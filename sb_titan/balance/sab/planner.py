@@ -15,6 +15,7 @@ from sb_titan.balance.sab.cost import CostFn, DensityPrior, as_cost_fn
 from sb_titan.balance.sab.density_store import DensityStore
 from sb_titan.balance.sab.packing import Packing, PackingShape
 from sb_titan.balance.sab.plan import MicroBatchPlan, Piece, StepPlan
+from sb_titan.util.repeats import is_shown
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Planner:
         if mode == "drop":
             self.state.dropped += 1
             d = self.state.dropped
-            if d & (d - 1) == 0:  # log the 1st, 2nd, 4th, ... drop
+            if is_shown(d):  # log the 1st, 2nd, 4th, ... drop
                 logger.warning(
                     "sab: dropped sample %d (%d tokens > %d per piece); %d dropped so far",
                     sample_id,

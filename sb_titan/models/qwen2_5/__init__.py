@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch.nn as nn
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -66,6 +66,7 @@ FLAVORS: dict[str, Qwen25Dims] = {
     "3b": Qwen25Dims(2048, 36, 16, 2, 128, 11008, 151936, True),
     "7b": Qwen25Dims(3584, 28, 28, 4, 128, 18944, 152064, False),
 }
+Flavor = Literal[tuple(FLAVORS)]  # `[model] flavor`: the CLI help and TOML errors list them
 
 
 # Qwen25Dims field -> config.json key. Shapes must match a checkpoint exactly; the

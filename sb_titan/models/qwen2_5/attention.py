@@ -16,8 +16,8 @@ from torchtitan.protocols.module import Module
 
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import POLICIES
-from sb_titan.attention.sparse import BACKENDS, sparse_attention
+from sb_titan.attention.selection import POLICIES, Policy
+from sb_titan.attention.sparse import BACKENDS, Backend, sparse_attention
 from sb_titan.compat.autograd import in_backward_recompute
 
 
@@ -27,10 +27,10 @@ class SparseAttentionConfig:
 
     enabled: bool = True
     """False: every layer dense (the exact baseline)."""
-    policy: str = "mass"
+    policy: Policy = "mass"
     """Budget semantics: `mass` (keep blocks until beta of estimated mass) or `topk`."""
     block_size: int = 64
-    backend: str = "auto"
+    backend: Backend = "auto"
     """`auto`: Triton on CUDA tensors, PyTorch on CPU; `torch` / `triton` force one;
     `flex`: compiled FlexAttention on the same table (trains on CUDA only)."""
     dense_layers: list[int] = field(default_factory=lambda: [0])

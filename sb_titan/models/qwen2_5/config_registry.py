@@ -11,11 +11,15 @@ do, but belongs to the tools layer (docs/architecture.md).
 
 from __future__ import annotations
 
+import torch
+
 from sb_titan import compat
 from sb_titan.config.defaults import sb_titan_base
+from sb_titan.runtime.console import install_log_filter
 
 
 def sb_titan_debug():
     """The tiny debug Qwen2.5 on the bundled synthetic corpus (CPU friendly)."""
     compat.install()
+    install_log_filter(on_cpu=not torch.cuda.is_available())  # TorchTitan's harmless messages
     return sb_titan_base()
