@@ -83,6 +83,19 @@ def sample_log(dump: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# The debug flavor's shapes (sb_titan/models/qwen2_5) as transformers Qwen2Config
+# arguments: a tiny HF checkpoint that loads into `model.flavor = "debug"`.
+DEBUG_HF_SHAPE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
 def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
     """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`;
     `overrides` are Qwen2Config arguments (e.g. rope_theta, or the debug flavor's dims)."""

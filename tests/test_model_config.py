@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_TOML, REPO, cpu_env, tiny_hf_qwen2
+from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, REPO, cpu_env, tiny_hf_qwen2
 
 from sb_titan.config.toml import ConfigError, load_config
 from sb_titan.models.qwen2_5 import FLAVORS, adopt_hf_checkpoint
@@ -18,17 +18,7 @@ from sb_titan.models.qwen2_5 import FLAVORS, adopt_hf_checkpoint
 pytest.importorskip("transformers")
 
 # The debug flavor's shapes, with the checkpoint's own theta / eps / positions.
-DEBUG_SHAPED = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rope_theta=12345.0,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=4096,
-)
+DEBUG_SHAPED = {**DEBUG_HF_SHAPE, "rope_theta": 12345.0, "rms_norm_eps": 1e-5}
 
 
 @pytest.fixture(scope="module")

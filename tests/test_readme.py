@@ -31,7 +31,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from conftest import REPO, tiny_hf_qwen2, tiny_qwen_tokenizer
+from conftest import DEBUG_HF_SHAPE, REPO, tiny_hf_qwen2, tiny_qwen_tokenizer
 
 from sb_titan.runtime.tensorboard import read_scalars
 
@@ -52,15 +52,6 @@ TINY_GRID = ["--device", "cpu", "--lengths", "256", "1024", "--densities", "0.5"
 TINY_GRID += ["--repeats", "1"]
 STEPS = ["--training.steps", "3"]
 CORPUS = "my_corpus/*.jsonl.gz"
-DEBUG_SHAPED = dict(  # the debug flavor (sb_titan/models/qwen2_5): 1024 ids, 256 wide
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-)
 WORDS = "the long context of a book keeps its sparse attention balanced across ranks".split()
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -214,7 +205,7 @@ def test_train_your_own_runs_as_written(tmp_path):
     assert argv[:3] == ["hf", "download", argv[2]] and argv[2].startswith("Qwen/Qwen2.5-")
     local_dir = root / argv[argv.index("--local-dir") + 1]
     text = write_corpus(root)
-    tiny_hf_qwen2(local_dir, False, **DEBUG_SHAPED)
+    tiny_hf_qwen2(local_dir, False, **DEBUG_HF_SHAPE)
     tiny_qwen_tokenizer(local_dir, vocab_size=1024, text=text)
 
     # 3. sb-prep, as written.
