@@ -21,6 +21,6 @@ sb_ensure_venv() {
   if [ -n "$torch_spec" ]; then
     "${pip[@]}" "$torch_spec"
   fi
-  "${pip[@]}" -e "$root[test]"
+  "${pip[@]}" -e "$root[test,eval]"
   echo "$stamp" > "$marker"
 }

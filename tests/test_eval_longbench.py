@@ -14,6 +14,7 @@ from sb_titan.eval.longbench import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
     TASKS,
+    ZH_TASKS,
     LongBenchConfig,
     build_prompt,
     category_averages,
@@ -29,12 +30,15 @@ DEBUG_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "debug_cpu.
 
 
 def test_templates_and_generation_lengths():
-    assert len(TASKS) == 16
+    assert len(TASKS) == 21 and len(set(TASKS)) == 21
     for template in DATASET2PROMPT.values():
         assert "{context}" in template
         assert template.format(context="C", input="I")  # no other fields
     assert DATASET2MAXLEN["gov_report"] == 512 and DATASET2MAXLEN["hotpotqa"] == 32
     assert DATASET2MAXLEN["narrativeqa"] == 128 and DATASET2MAXLEN["lcc"] == 64
+    assert DATASET2MAXLEN["vcsum"] == 512 and DATASET2MAXLEN["dureader"] == 128
+    zh = build_prompt("passage_retrieval_zh", load_task(FIXTURES, "passage_retrieval_zh")[0])
+    assert zh.startswith("以下是若干段落文字") and zh.endswith('"段落1"，"段落2"等格式\n\n答案是：')
     sample = load_task(FIXTURES, "hotpotqa")[0]
     prompt = build_prompt("hotpotqa", sample)
     assert prompt.startswith("Answer the question based on the given passages.")
@@ -57,14 +61,17 @@ def test_middle_truncation_keeps_head_and_tail():
     assert tok.decode(ids[:32]) + tok.decode(ids[-32:]) == decoded
 
 
+ORACLE_TASKS = ("hotpotqa", "trec", *ZH_TASKS)
+
+
 class _Oracle:
     """Answers with the reference: the pipeline (decode, file, score) must give 100."""
 
     def __init__(self, data_dir: Path):
         self.tokenizer, self.eos_ids = load_tokenizer(), [1]
         self.answers = {
-            s["input"]: s["answers"][0]
-            for t in ("hotpotqa", "trec")
+            s["input"] or s["context"]: s["answers"][0]
+            for t in ORACLE_TASKS
             for s in load_task(data_dir, t)
         }
 
@@ -75,11 +82,22 @@ class _Oracle:
 
 
 def test_scoring_pipeline_with_oracle_predictions(tmp_path):
-    cfg = LongBenchConfig(FIXTURES, ("hotpotqa", "trec"))
+    cfg = LongBenchConfig(FIXTURES, ORACLE_TASKS)
     report = run_longbench(_Oracle(FIXTURES), cfg, tmp_path, progress=lambda *_: None)
-    assert report["tasks"]["hotpotqa"]["score"] == 100.0
-    assert report["tasks"]["trec"]["score"] == 100.0
-    assert report["categories"] == {"multi-doc QA": 100.0, "few-shot": 100.0, "average": 100.0}
+    assert {t: r["score"] for t, r in report["tasks"].items()} == dict.fromkeys(ORACLE_TASKS, 100.0)
+    assert set(report["categories"]) == {
+        "single-doc QA",
+        "multi-doc QA",
+        "summarization",
+        "few-shot",
+        "synthetic",
+        "average (en)",
+        "average (zh)",
+        "average",
+    }
+    assert set(report["categories"].values()) == {100.0}
+    row = json.loads((tmp_path / "pred" / "lsht.jsonl").read_text(encoding="utf-8").splitlines()[0])
+    assert row["pred"].strip() == "体育"
     rows = [
         json.loads(line) for line in (tmp_path / "pred" / "trec.jsonl").read_text().splitlines()
     ]
@@ -90,6 +108,14 @@ def test_scoring_pipeline_with_oracle_predictions(tmp_path):
 def test_category_averages():
     got = category_averages({"hotpotqa": 10.0, "musique": 20.0, "trec": 60.0})
     assert got == {"multi-doc QA": 15.0, "few-shot": 60.0, "average": 30.0}
+    got = category_averages({"hotpotqa": 10.0, "dureader": 40.0, "lsht": 70.0})
+    assert got == {
+        "multi-doc QA": 25.0,
+        "few-shot": 70.0,
+        "average (en)": 10.0,
+        "average (zh)": 55.0,
+        "average": 40.0,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +131,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 def test_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):
     args = ["longbench", "--checkpoint", str(tiny_checkpoint), "--config", str(DEBUG_TOML)]
-    args += ["--data", str(FIXTURES), "--tasks", "hotpotqa,trec,lcc", "--threads", "1"]
+    args += ["--data", str(FIXTURES), "--tasks", "hotpotqa,trec,lcc,lsht", "--threads", "1"]
     eval_main(
         [
             *args,
@@ -122,9 +148,9 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "hotpotqa" in table and "average" in table and "sparse prefill, budget 0.5" in table
     result = json.loads((tmp_path / "s" / "result.json").read_text())
-    assert set(result["tasks"]) == {"hotpotqa", "trec", "lcc"}
+    assert set(result["tasks"]) == {"hotpotqa", "trec", "lcc", "lsht"}
     assert result["attention"] == "sparse" and result["budget"] == 0.5
-    for task in ("hotpotqa", "trec", "lcc"):
+    for task in ("hotpotqa", "trec", "lcc", "lsht"):
         rows = [
             json.loads(line)
             for line in (tmp_path / "s" / "pred" / f"{task}.jsonl").read_text().splitlines()
@@ -155,9 +181,9 @@ def test_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):
         "--data",
         str(FIXTURES),
         "--tasks",
-        "hotpotqa,trec,lcc",
+        "hotpotqa,trec,lcc,lsht",
     ]
     eval_main([*hf_args, "--out", str(tmp_path / "h")])
-    for task in ("hotpotqa", "trec", "lcc"):
+    for task in ("hotpotqa", "trec", "lcc", "lsht"):
         dense = (tmp_path / "d" / "pred" / f"{task}.jsonl").read_text()
         assert dense == (tmp_path / "h" / "pred" / f"{task}.jsonl").read_text()

@@ -65,12 +65,21 @@ def cmd_longbench(args: argparse.Namespace) -> dict:
     from sb_titan.data.tokenizer import load_tokenizer
     from sb_titan.eval.checkpoint import eos_ids
     from sb_titan.eval.generate import Generator
-    from sb_titan.eval.longbench import TASKS, LongBenchConfig, format_table, run_longbench
+    from sb_titan.eval.longbench import (
+        EN_TASKS,
+        TASKS,
+        ZH_TASKS,
+        LongBenchConfig,
+        format_table,
+        run_longbench,
+    )
 
-    tasks = TASKS if args.tasks is None else tuple(t.strip() for t in args.tasks.split(","))
+    groups = {"all": TASKS, "en": EN_TASKS, "zh": ZH_TASKS}
+    names = [t.strip() for t in (args.tasks or "all").split(",") if t.strip()]
+    tasks = tuple(dict.fromkeys(t for name in names for t in groups.get(name, (name,))))
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        sys.exit(f"sb-eval: unsupported task(s) {unknown}; English LongBench tasks: {TASKS}")
+        sys.exit(f"sb-eval: --tasks: unknown task(s) {unknown}; expected all, en, zh or {TASKS}")
     loaded = _load(args)
     budget = _budget(args, loaded)
     tok = load_tokenizer(loaded.tokenizer_dir)
@@ -129,7 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     lb = sub.add_parser("longbench", help="LongBench tasks from local JSONL files")
     _add_model_args(lb)
     lb.add_argument("--data", required=True, help="directory of <task>.jsonl files")
-    lb.add_argument("--tasks", default=None, help="comma-separated (default: all English tasks)")
+    lb.add_argument(
+        "--tasks", default=None, help="comma-separated tasks, or all / en / zh (default: all 21)"
+    )
     lb.add_argument("--max-length", type=int, default=31500, help="prompt tokens kept (middle cut)")
     lb.add_argument("--e", action="store_true", help="LongBench-E files and length buckets")
     lb.add_argument("--limit", type=int, default=None, help="first N samples per task")
