@@ -189,6 +189,11 @@ class SBDataLoader(BaseDataLoader):
         synthetic_docs: int = 20000
         """Number of synthetic documents (one epoch)."""
         synthetic_seed: int = 0
+        synthetic_fact_every: int = 256
+        """One key-value fact per this many tokens of a synthetic document."""
+        synthetic_recalls: int = 2
+        """Facts recalled at the end of each synthetic document (a recall-dense mix, e.g.
+        fact_every 64 and recalls 16, teaches a base model the task in fewer steps)."""
         prefetch_factor: int = 2
         sample_log: bool = False
         """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
@@ -294,7 +299,13 @@ def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:
     if config.dataset == "synthetic":
         from sb_titan.data.synthetic import SyntheticCorpus
 
-        return SyntheticCorpus(config.synthetic_docs, seq_len, seed=config.synthetic_seed)
+        return SyntheticCorpus(
+            config.synthetic_docs,
+            seq_len,
+            seed=config.synthetic_seed,
+            fact_every=config.synthetic_fact_every,
+            recalls=config.synthetic_recalls,
+        )
     if config.dataset == "indexed":
         from sb_titan.data.indexed import IndexedDataset
 

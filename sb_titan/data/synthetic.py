@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -34,15 +35,46 @@ def training_text() -> Iterator[str]:
         yield f" key {a} maps to {b} . recall key {a} : {b} . the passkey is {a}{b} ."
 
 
+@dataclass(frozen=True)
+class Recall:
+    """One recall task of a document: the fact " key K maps to V ." starts at token
+    `fact_at`; the recalled value's `value_len` tokens start at `value_at`."""
+
+    fact_at: int
+    value_at: int
+    value_len: int
+
+    @property
+    def distance(self) -> int:
+        return self.value_at - self.fact_at
+
+
 class SyntheticCorpus:
-    """`num_docs` documents with longtail-v1 lengths at row length `row_len`."""
+    """`num_docs` documents with longtail-v1 lengths at row length `row_len`, or with the
+    given `lengths` (held-out evaluation documents of chosen sizes)."""
 
     def __init__(
-        self, num_docs: int, row_len: int, seed: int = 0, tokenizer_path: str = str(TOKENIZER_DIR)
+        self,
+        num_docs: int,
+        row_len: int,
+        seed: int = 0,
+        tokenizer_path: str = str(TOKENIZER_DIR),
+        lengths: np.ndarray | None = None,
+        fact_every: int = FACT_EVERY,
+        recalls: int = 2,
     ) -> None:
-        self.name = f"synthetic-longtail-v1(n={num_docs}, R={row_len}, seed={seed})"
+        if fact_every < 1 or recalls < 1:
+            raise ValueError(
+                f"synthetic corpus: fact_every ({fact_every}) and recalls ({recalls}) must be >= 1"
+            )
+        mix = (
+            "" if (fact_every, recalls) == (FACT_EVERY, 2) else f", facts/{fact_every}, r={recalls}"
+        )
+        self.name = f"synthetic-longtail-v1(n={num_docs}, R={row_len}, seed={seed}{mix})"
         self.seed = seed
-        self._lengths = longtail_v1(num_docs, row_len, seed)
+        self.fact_every = fact_every
+        self.recalls = recalls
+        self._lengths = longtail_v1(num_docs, row_len, seed) if lengths is None else lengths
         self.tokenizer = load_tokenizer(tokenizer_path)
 
     @property
@@ -71,31 +103,49 @@ class SyntheticCorpus:
 
     def document(self, sample_id: int) -> np.ndarray:
         """All tokens of one document (deterministic in seed and id)."""
+        return self.annotated(sample_id)[0]
+
+    def annotated(self, sample_id: int) -> tuple[np.ndarray, list[Recall]]:
+        """One document and where its recall tasks sit (for scoring held-out recall)."""
         n = int(self._lengths[sample_id])
         rng = np.random.default_rng([self.seed, sample_id])
         bos = self.tokenizer.token_to_id(BOS)
         if n < MIN_FACT_LEN:
-            return np.concatenate([[bos], self._filler(rng, n - 1)]).astype(np.int64)
-        n_facts = max(1, n // FACT_EVERY)
+            return np.concatenate([[bos], self._filler(rng, n - 1)]).astype(np.int64), []
+        n_facts = max(1, n // self.fact_every)
         keys = rng.choice(10000, n_facts, replace=False)
         values = rng.integers(0, 10000, n_facts)
         facts = [self._encode(f" key {k} maps to {v} .") for k, v in zip(keys, values, strict=True)]
-        asked = rng.choice(n_facts, min(n_facts, 2), replace=False)
-        query = [t for i in asked for t in self._encode(f" recall key {keys[i]} : {values[i]} .")]
-        body_len = n - 1 - len(query)
-        fact_len = sum(map(len, facts))
-        if body_len < fact_len:  # too short for all facts: keep just the queried ones
-            facts = [facts[i] for i in asked]
-            fact_len = sum(map(len, facts))
-        filler = self._filler(rng, max(0, body_len - fact_len))
-        cuts = np.sort(rng.integers(0, len(filler) + 1, len(facts)))
-        parts, prev = [np.array([bos])], 0
-        for cut, fact in zip(cuts, facts, strict=True):
-            parts += [filler[prev:cut], np.array(fact)]
+        asked = rng.choice(n_facts, min(n_facts, self.recalls), replace=False)
+        queries = [self._encode(f" recall key {keys[i]} : {values[i]} .") for i in asked]
+        body_len = n - 1 - sum(map(len, queries))
+        kept = list(range(n_facts))
+        if body_len < sum(map(len, facts)):  # too short for all facts: keep just the queried ones
+            kept = [int(i) for i in asked]
+        filler = self._filler(rng, max(0, body_len - sum(len(facts[i]) for i in kept)))
+        cuts = np.sort(rng.integers(0, len(filler) + 1, len(kept)))
+        parts, prev, fact_at = [np.array([bos])], 0, {}
+        offset = 1
+        for cut, i in zip(cuts, kept, strict=True):
+            offset += int(cut) - prev
+            fact_at[i] = offset
+            parts += [filler[prev:cut], np.array(facts[i])]
+            offset += len(facts[i])
             prev = cut
-        parts += [filler[prev:], np.array(query)]
+        offset += len(filler) - prev
+        parts.append(filler[prev:])
+        recalls = []
+        for i, query in zip(asked, queries, strict=True):
+            value_len = len(self._encode(f" {values[i]}"))
+            value_at = offset + len(query) - value_len - 1  # the value, then " ."
+            if value_at + value_len <= n:
+                recalls.append(Recall(int(fact_at[int(i)]), int(value_at), value_len))
+            parts.append(np.array(query))
+            offset += len(query)
         doc = np.concatenate(parts).astype(np.int64)
-        return doc[:n] if len(doc) >= n else np.concatenate([doc, self._filler(rng, n - len(doc))])
+        if len(doc) < n:
+            doc = np.concatenate([doc, self._filler(rng, n - len(doc))])
+        return doc[:n], recalls
 
     def read(self, sample_id: int, start: int, length: int) -> np.ndarray:
         return self.document(sample_id)[start : start + length]
