@@ -1,2 +1,3 @@
-"""Accuracy evaluation: LongBench (official metrics), key-value retrieval, greedy decoding
-with a KV cache, and checkpoint loading (DCP or Hugging Face)."""
+"""Accuracy evaluation: LongBench (official metrics), key-value retrieval, RULER's
+needle-in-a-haystack tasks, greedy decoding with a KV cache, and checkpoint loading (DCP
+or Hugging Face)."""

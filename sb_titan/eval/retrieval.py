@@ -125,24 +125,38 @@ def format_grid(report: dict) -> str:
 
 
 def save_heatmap(report: dict, path: Path, title: str = "key-value retrieval") -> Path:
+    grid = {length: dict(row) for length, row in report["accuracy"].items()}
+    return plot_grid(grid, path, "fact depth", "context length (tokens)", title)
+
+
+def plot_grid(
+    rows: dict[str, dict[str, float]],
+    path: Path,
+    xlabel: str = "",
+    ylabel: str = "",
+    title: str = "",
+    vmax: float = 1.0,
+) -> Path:
+    """A red-to-green heat map of rows x columns with the values written in (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    grid = report["accuracy"]
-    lengths, depths = list(grid), list(next(iter(grid.values())))
-    data = np.array([[grid[length][d] for d in depths] for length in lengths])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(depths), 1.0 + 0.6 * len(lengths)))
-    im = ax.imshow(data, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(depths)), depths)
-    ax.set_yticks(range(len(lengths)), lengths)
-    ax.set_xlabel("fact depth")
-    ax.set_ylabel("context length (tokens)")
+    names, cols = list(rows), list(next(iter(rows.values())))
+    data = np.array([[rows[r][c] for c in cols] for r in names])
+    width = max(len(n) for n in names) * 0.07
+    fig, ax = plt.subplots(figsize=(1.2 + width + 0.9 * len(cols), 1.0 + 0.6 * len(names)))
+    im = ax.imshow(data, vmin=0, vmax=vmax, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(cols)), cols)
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
-    for i in range(len(lengths)):
-        for j in range(len(depths)):
-            ax.text(j, i, f"{data[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    fmt = ".2f" if vmax <= 1 else ".0f"
+    for i in range(len(names)):
+        for j in range(len(cols)):
+            ax.text(j, i, format(data[i, j], fmt), ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

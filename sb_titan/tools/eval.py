@@ -6,6 +6,10 @@
     sb-eval longbench --hf exported/qwen --data longbench/data
     sb-eval retrieval --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
         --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 [--trials 8] [--out eval/retrieval]
+    sb-eval ruler --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+        [--tasks all|niah_single_1,...] [--lengths 1k,2k,4k] [--samples 20] [--seed 42] \\
+        [--haystack essays.txt] [--template corpus|ruler] [--out eval/ruler]
+    sb-eval ruler --hf exported/qwen --lengths 4k,8k,16k,32k
 
 `--attention sparse` runs the prompt (prefill) through the recipe's dynamic sparse
 attention at `--budget` (default: the config's dst.beta0); generated tokens attend
@@ -127,6 +131,67 @@ def cmd_retrieval(args: argparse.Namespace) -> dict:
     return report
 
 
+def cmd_ruler(args: argparse.Namespace) -> dict:
+    from sb_titan.data.tokenizer import TOKENIZER_DIR, load_tokenizer, special_tokens
+    from sb_titan.eval.checkpoint import eos_ids
+    from sb_titan.eval.niah import RulerInputError, parse_tasks, read_haystack
+    from sb_titan.eval.retrieval import parse_lengths
+    from sb_titan.eval.ruler import RulerConfig, format_table, run_ruler, save_heatmap
+
+    try:
+        tasks = parse_tasks(args.tasks)
+        lengths = parse_lengths(args.lengths)
+    except ValueError as e:  # RulerInputError, or a length that is not a number
+        sys.exit(f"sb-eval: {e}" if isinstance(e, RulerInputError) else _lengths_error(args))
+    if not lengths or min(lengths) <= 0:
+        sys.exit(_lengths_error(args))
+    if args.samples < 1:
+        sys.exit(f"sb-eval: --samples {args.samples}: expected a positive integer")
+    try:
+        if args.haystack is not None:
+            read_haystack(args.haystack)
+    except RulerInputError as e:
+        sys.exit(f"sb-eval: {e}")
+    loaded = _load(args)
+    if max(lengths) > loaded.dims.max_seq_len:
+        sys.exit(
+            f"sb-eval: --lengths: {max(lengths)} exceeds the model's "
+            f"{loaded.dims.max_seq_len} positions (max_position_embeddings)"
+        )
+    budget = _budget(args, loaded)
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    bundled = tok.to_str() == load_tokenizer(TOKENIZER_DIR).to_str()
+    template = args.template or ("corpus" if bundled else "ruler")
+    bos_name = special_tokens(loaded.tokenizer_dir)[0]
+    bos = tok.token_to_id(bos_name) if bos_name else None
+    haystack = Path(args.haystack) if args.haystack else None
+    cfg = RulerConfig(tasks, lengths, args.samples, args.seed, template, haystack)
+    out = Path(args.out or "eval_ruler")
+    print(f"{_describe(loaded, budget)} | template: {template}")
+    try:
+        report = run_ruler(
+            loaded.model,
+            tok,
+            cfg,
+            eos_ids=eos_ids(tok, loaded.tokenizer_dir),
+            bos_id=bos,
+            budget=budget,
+            out_dir=out,
+        )
+    except RulerInputError as e:
+        sys.exit(f"sb-eval: {e}")
+    report.update(model=loaded.source, attention=_mode(loaded))
+    (out / "result.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    png = save_heatmap(report, out / "ruler.png", title=f"RULER NIAH ({_mode(loaded)})")
+    print(f"wrote {out / 'result.json'} and {png}")
+    return report
+
+
+def _lengths_error(args: argparse.Namespace) -> str:
+    return f"sb-eval: --lengths {args.lengths!r}: expected token counts like 1k,2k,4096"
+
+
 def _mode(loaded) -> str:
     return "sparse" if loaded.attention.enabled else "dense"
 
@@ -153,11 +218,44 @@ def main(argv: list[str] | None = None) -> None:
     rt.add_argument("--seed", type=int, default=1234)
     rt.add_argument("--batch-size", type=int, default=1)
 
+    from sb_titan.eval.niah import TASKS as RULER_TASKS
+
+    ru = sub.add_parser(
+        "ruler",
+        help="RULER needle-in-a-haystack tasks (niah_*), scored as RULER",
+        description="RULER's eight NIAH tasks at each length, scored with string_match_all.",
+    )
+    _add_model_args(ru)
+    ru.add_argument(
+        "--tasks",
+        default="all",
+        help=f"comma-separated, or all (default): {', '.join(RULER_TASKS)}",
+    )
+    ru.add_argument(
+        "--lengths", default="1k,2k,4k", help="tokens per sample, prompt + answer (1k,2k,4k)"
+    )
+    ru.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    ru.add_argument("--seed", type=int, default=42, help="RULER's default: 42")
+    ru.add_argument(
+        "--haystack",
+        default=None,
+        help="text file for the essay haystack, cycled (default: the synthetic corpus's words)",
+    )
+    ru.add_argument(
+        "--template",
+        choices=("corpus", "ruler"),
+        default=None,
+        help="needle/question phrasing: corpus (' key K maps to V .', for models trained on "
+        "the bundled corpus) or ruler (RULER's English); default: corpus with the bundled "
+        "tokenizer, else ruler",
+    )
+
     args = parser.parse_args(argv)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if threads:
         torch.set_num_threads(threads)
-    {"longbench": cmd_longbench, "retrieval": cmd_retrieval}[args.command](args)
+    commands = {"longbench": cmd_longbench, "retrieval": cmd_retrieval, "ruler": cmd_ruler}
+    commands[args.command](args)
 
 
 if __name__ == "__main__":
