@@ -1,299 +1,503 @@
-"""Accuracy side of the trade: what sparse training (and SAB+DST) costs in model quality.
+"""The accuracy half of SparseBalance: what sparse training and DST do to what a model learns.
 
-    python bench/accuracy.py [--quick] [--steps N] [--seeds 0,1]
+    python bench/accuracy.py pretrain   # the dense base -> bench/accuracy_base (~45 min)
+    python bench/accuracy.py            # the fine-tuning study (resumable, appends per run)
+    python bench/accuracy.py timing     # step time per variant, in a quiet separate run
+    python bench/accuracy.py report     # table + plots from bench/results/accuracy.json
+    python bench/accuracy.py --quick    # 2 variants x 3 steps, in the test suite
 
-Trains the debug model (train_configs/debug_cpu.toml, 2 CPU processes, torchrun) for a
-fixed number of steps as three variants — dense attention, static sparse at beta0, and
-SAB+DST (analytic CPU cost model unless profiles/debug_cpu.json exists) — once per
-seed. Each run saves a model-only DCP checkpoint; this process then loads it and
-measures, on synthetic documents the run never saw (another corpus seed):
-
-- held-out loss, with the variant's own attention (sparse variants at beta0) and dense;
-- key-value retrieval accuracy (sb-eval retrieval's probe) by length and depth;
-
-next to the run's median step time (TensorBoard time_metrics/end_to_end, after warm-up).
-Writes bench/results/accuracy.json and the table in docs/eval.md.
+As the paper does, every variant fine-tunes a *pretrained* model: the base is the debug
+model (2 layers) trained densely at 1024 tokens on a recall-dense mix of the bundled
+corpus until it recalls key -> value facts. Each variant then fine-tunes it on
+4096-token rows (train_configs/accuracy_cpu.toml, DP = 2 torchrun processes x 2
+micro-batches) for the same steps and seeds, and is scored on held-out documents of
+2048 and 4096 tokens (corpus seed 777, which no run reads): exact match of every
+recalled value, by fact-to-recall distance (sb_titan.eval.heldout), and held-out loss.
+Intervals are 95% bootstrap intervals over seeds and held-out items; differences
+between variants are paired (same seeds, same items).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import itertools
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
-
-from sb_titan.runtime.tensorboard import read_scalars
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "train_configs" / "debug_cpu.toml"
-PROFILE = REPO / "profiles" / "debug_cpu.json"
+BASE = REPO / "bench" / "accuracy_base"
+FINETUNE = REPO / "train_configs" / "accuracy_cpu.toml"
+PRETRAIN = REPO / "train_configs" / "debug_cpu.toml"
 OUT = REPO / "bench" / "results" / "accuracy.json"
 DOC = REPO / "docs" / "eval.md"
-WARMUP = 2
-HELDOUT_SEED = 777  # training reads corpus seed 0
-HELDOUT_DOCS = 32
-MIN_DOC_LEN = 256
+RESULTS_DOC = REPO / "docs" / "results.md"
+PLOT = REPO / "docs" / "accuracy.png"
+HELDOUT_SEED = 777
+HELDOUT_LENGTHS = (2048, 4096)
+BETA0 = 0.9
+PRETRAIN_STEPS = 12000
+PRETRAIN_ARGS = [
+    "--training.steps", str(PRETRAIN_STEPS),
+    "--sparse_attention.no-enabled",
+    "--training.seq_len", "256",
+    "--training.local_batch_size", "4",
+    "--lr_scheduler.warmup_steps", "20",
+    "--checkpoint.enable",
+    "--checkpoint.interval", "500",
+    "--checkpoint.keep_latest_k", "0",
+    "--checkpoint.last_save_model_only",
+    "--metrics.log_freq", "50",
+    "--dataloader.synthetic_docs", "400000",
+    "--dataloader.synthetic_fact_every", "32",
+    "--dataloader.synthetic_recalls", "8",
+]  # fmt: skip
 
 
-def variants() -> dict[str, tuple[list[str], str]]:
-    """name -> (training overrides, attention used for evaluation)."""
-    cost = (
-        ["--cost_model.profile", str(PROFILE)]
-        if PROFILE.is_file()
-        else ["--cost_model.analytic_device", "cpu"]
-    )
-    return {
-        "dense": (["--sparse_attention.no-enabled"], "dense"),
-        "static_sparse": (["--sab.policy", "sequential"], "sparse"),
-        "sab_dst": (["--sab.policy", "sab", "--dst.enabled", *cost], "sparse"),
-    }
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    overrides: tuple[str, ...]
+    eval_budget: float | None  # None: dense
+    label: str
 
 
-def train(name: str, args: list[str], seed: int, steps: int, root: Path) -> Path:
-    dump = root / f"{name}_seed{seed}"
-    subprocess.run(["rm", "-rf", str(dump)], check=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "sb_titan.tools.train",
-        "--config_file",
-        str(CONFIG),
-        "--dump_folder",
-        str(dump),
-        "--training.steps",
-        str(steps),
-        "--debug.seed",
-        str(seed),
-        "--metrics.log_freq",
-        "1",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        str(steps),
-        "--checkpoint.last_save_model_only",
-        *args,
+def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
+    """The study's variants; `low` is the static budget that hurts (found by the sweep)."""
+    static = lambda b: ("--sab.policy", "sequential", "--dst.beta0", str(b))  # noqa: E731
+    sab = ("--sab.policy", "sab")
+    dst = (*sab, "--dst.enabled", "--dst.beta0", str(BETA0))
+    out = [
+        Variant("dense", ("--sparse_attention.no-enabled",), None, "dense"),
+        Variant("static_0.9", static(BETA0), BETA0, f"static β={BETA0}"),
+        Variant(f"static_{low:g}", static(low), low, f"static β={low:g}"),
+        Variant("sab_static", (*sab, "--dst.beta0", str(BETA0)), BETA0, f"SAB, static β={BETA0}"),
+        Variant("sab_dst_mean", (*dst, "--dst.anchor", "mean"), BETA0, "SAB+DST (mean)"),
+        Variant("sab_dst_recall", (*dst, "--dst.anchor", "recall"), BETA0, "SAB+DST (recall)"),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(
-            f"{name} seed {seed}: training failed\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-        )
-    print(f"  trained {name} seed {seed} in {time.perf_counter() - t0:.0f}s", flush=True)
-    return dump
-
-
-def _median_after_warmup(series: dict[int, float]) -> float:
-    values = [v for step, v in sorted(series.items()) if step > WARMUP]
-    return float(statistics.median(values)) if values else float("nan")
-
-
-def _mean_last(series: dict[int, float], n: int = 5) -> float:
-    values = [v for _, v in sorted(series.items())][-n:]
-    return float(statistics.fmean(values)) if values else float("nan")
-
-
-def heldout_docs(row_len: int) -> list[torch.Tensor]:
-    """Unseen synthetic documents (another corpus seed), each at most one row long."""
-    from sb_titan.data.synthetic import SyntheticCorpus
-
-    corpus = SyntheticCorpus(20000, row_len, seed=HELDOUT_SEED)
-    docs = []
-    for i in range(len(corpus.lengths)):
-        if corpus.lengths[i] >= MIN_DOC_LEN:
-            docs.append(torch.from_numpy(corpus.document(i)[:row_len]))
-        if len(docs) == HELDOUT_DOCS:
-            break
-    return docs
-
-
-@torch.no_grad()
-def heldout_loss(model, docs: list[torch.Tensor], budget: float) -> dict[str, float]:
-    """Token-mean next-token loss, overall and on the recalled values (' recall key K : V')."""
-    from sb_titan.eval.generate import _meta
-
-    total = count = 0.0
-    for doc in docs:
-        tokens = doc[None]
-        L = tokens.shape[1]
-        logits = model(
-            tokens,
-            positions=torch.arange(L)[None],
-            attention_masks=_meta(1, L, budget, tokens.device),
-        )
-        loss = F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:], reduction="sum")
-        total += float(loss)
-        count += L - 1
-    return {"loss": total / count, "tokens": int(count)}
-
-
-def evaluate(dump: Path, attention: str, docs, retrieval_cfg) -> dict:
-    from sb_titan.data.tokenizer import load_tokenizer
-    from sb_titan.eval.checkpoint import load_from_config
-    from sb_titan.eval.retrieval import run_retrieval
-
-    out: dict = {}
-    for mode in dict.fromkeys([attention, "dense"]):
-        loaded = load_from_config(dump / "checkpoint", CONFIG, mode)
-        budget = loaded.default_budget if mode == "sparse" else 1.0
-        out[f"heldout_loss_{mode}"] = round(heldout_loss(loaded.model, docs, budget)["loss"], 4)
-        if mode == attention:
-            tok = load_tokenizer(loaded.tokenizer_dir)
-            rep = run_retrieval(loaded.model, tok, retrieval_cfg, budget, progress=lambda *_: None)
-            out["retrieval"] = rep["accuracy"]
-            out["retrieval_mean"] = round(rep["mean"], 4)
-            out["eval_budget"] = budget
+    for b in sweep:
+        if b not in (BETA0, low):
+            out.append(Variant(f"static_{b:g}", static(b), b, f"static β={b:g} (sweep)"))
     return out
 
 
-def summarize(runs: list[dict], key: str) -> dict:
-    values = [r[key] for r in runs]
-    mean = statistics.fmean(values)
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return {"mean": round(mean, 4), "std": round(std, 4), "values": values}
+# ---------------------------------------------------------------- running
 
 
-def markdown(result: dict) -> str:
-    seeds = ",".join(str(s) for s in result["seeds"])
-    head = (
-        f"Debug model, {result['steps']} steps, seq_len {result['seq_len']}, 2 CPU ranks; "
-        f"seeds {seeds} (mean ± std over seeds); held-out = {result['heldout']['docs']} unseen "
-        f"synthetic documents (corpus seed {result['heldout']['corpus_seed']}); retrieval = "
-        f"lengths {result['retrieval']['lengths']} × depths {result['retrieval']['depths']}, "
-        f"{result['retrieval']['trials']} trials per cell.\n\n"
+def torchrun(
+    config: Path, dump: Path, args: list[str], log: Path, until: int | None = None
+) -> None:
+    """One training run with 2 gloo processes; resumes from dump's checkpoint if any.
+    `until`: stop the run once its checkpoint of that step is complete."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "sb_titan.tools.train", "--config_file", str(config), "--dump_folder", str(dump),
+        *args,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "a") as f:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        while proc.poll() is None:
+            if until is not None and finished(dump, until):
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+                return
+            time.sleep(2)
+    if proc.returncode != 0:
+        tail = log.read_text()[-4000:]
+        sys.exit(f"training failed ({' '.join(cmd[5:])}); last lines of {log}:\n{tail}")
+
+
+def finished(dump: Path, steps: int) -> bool:
+    return (dump / "checkpoint" / f"step-{steps}" / ".metadata").is_file()
+
+
+def heldout(n_docs: int, lengths: tuple[int, ...]):
+    from sb_titan.eval.heldout import heldout_documents
+
+    return heldout_documents([lengths[i % len(lengths)] for i in range(n_docs)], HELDOUT_SEED)
+
+
+def evaluate(checkpoint: Path, config: Path, budget: float | None, docs) -> dict:
+    """Held-out scores with dense attention, and with the variant's sparse attention."""
+    from sb_titan.eval.checkpoint import load_from_config
+    from sb_titan.eval.heldout import score_heldout
+
+    out = {}
+    modes = {"dense": 1.0} | ({} if budget is None else {"sparse": budget})
+    for mode, beta in modes.items():
+        model = load_from_config(checkpoint, config, mode).model
+        report = score_heldout(model, docs, beta)
+        out[mode] = {
+            "exact": [int(it.exact) for it in report.items],
+            "em": round(report.exact_match(), 4),
+            "loss": round(report.loss, 4),
+            "value_loss": round(report.value_loss, 4),
+            "budget": beta,
+        }
+    out["distances"] = [it.distance for it in report.items]
+    return out
+
+
+def series(dump: Path) -> dict[str, list[float]]:
+    """Per-step training signals from the run's TensorBoard files."""
+    from sb_titan.runtime.tensorboard import read_scalars
+
+    tb = read_scalars(dump)
+    tags = {
+        "loss": "loss_metrics/global_avg_loss",
+        "density": "sparsity/density",
+        "recall": "sparsity/recall",
+        "budget_mean": "dst/budget_mean",
+        "step_s": "time_metrics/end_to_end(s)",
+    }
+    return {k: [round(v, 5) for _, v in sorted(tb[t].items())] for k, t in tags.items() if t in tb}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_results(path: Path, settings: dict) -> dict:
+    """Results of earlier runs with the same settings (a changed study starts afresh)."""
+    if path.is_file():
+        data = json.loads(path.read_text())
+        if data.get("settings") == settings:
+            return data
+        print(f"{path}: settings changed, starting a fresh study", flush=True)
+    return {"settings": settings, "runs": {}}
+
+
+def run_study(args: argparse.Namespace) -> None:
+    if not (BASE / "model.safetensors").is_file():
+        sys.exit(f"{BASE}: no base checkpoint; `python bench/accuracy.py pretrain` makes it")
+    quick = args.quick
+    steps = args.steps or (3 if quick else 40)
+    seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
+    sweep = tuple(float(b) for b in args.sweep.split(",")) if args.sweep else ()
+    chosen = variants(args.low, () if quick else sweep)
+    if quick:
+        chosen = [v for v in chosen if v.name in ("dense", "sab_dst_recall")]
+    extra = ["--training.seq_len", "1024"] if quick else []
+    n_docs = 8 if quick else args.docs
+    lengths = (1024,) if quick else HELDOUT_LENGTHS  # quick: within the base's context
+    settings = {
+        "config": str(FINETUNE.relative_to(REPO)),
+        "base_sha256": sha256(BASE / "model.safetensors"),
+        "steps": steps,
+        "extra": extra,
+        "heldout": {"seed": HELDOUT_SEED, "lengths": list(lengths), "docs": n_docs},
+        "variants": {v.name: list(v.overrides) for v in chosen},
+        "sweep_seeds": seeds[:1],
+    }
+    out_path = Path(args.out)
+    results = load_results(out_path, settings)
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    docs = heldout(n_docs, lengths)
+    torch.set_num_threads(2)
+    plan = [
+        (v, s) for s in seeds for v in chosen if not v.label.endswith("(sweep)") or s == seeds[0]
+    ]  # seed-major: an interrupted study has every variant at the first seeds
+    t0 = time.perf_counter()
+    for i, (v, seed) in enumerate(plan):
+        key = f"{v.name}/seed{seed}"
+        if key in results["runs"]:
+            continue
+        dump = root / v.name / f"seed{seed}"
+        t_run = time.perf_counter()
+        if not finished(dump, steps):
+            train_args = ["--training.steps", str(steps), "--debug.seed", str(seed), *extra]
+            torchrun(FINETUNE, dump, [*train_args, *v.overrides], root / f"{v.name}_seed{seed}.log")
+        run = {"variant": v.name, "seed": seed, "series": series(dump)}
+        run.update(evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs))
+        results["runs"][key] = run
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results) + "\n")
+        own = run["sparse" if v.eval_budget is not None else "dense"]
+        print(
+            f"[{i + 1}/{len(plan)}] {key}: EM {own['em']:.3f} loss {own['loss']:.3f} "
+            f"(dense eval EM {run['dense']['em']:.3f}) in {time.perf_counter() - t_run:.0f}s "
+            f"| study {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
+    if not quick:
+        write_report(results, chosen)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def _em_matrix(results: dict, name: str, mode: str) -> tuple[list[int], np.ndarray]:
+    runs = sorted(
+        (r for r in results["runs"].values() if r["variant"] == name), key=lambda r: r["seed"]
     )
+    return [r["seed"] for r in runs], np.array([r[mode]["exact"] for r in runs], dtype=float)
+
+
+def bootstrap(em: np.ndarray, other: np.ndarray | None = None, n: int = 4000, seed: int = 0):
+    """Mean exact match (or the paired difference em - other) with a 95% interval,
+    resampling seeds and then held-out items (both with replacement). numpy is enough:
+    scipy.stats.bootstrap resamples one axis, not seeds-then-items."""
+    values = em if other is None else em - other
+    rng = np.random.default_rng(seed)
+    S, items = values.shape
+    s_idx = rng.integers(0, S, (n, S))
+    i_idx = rng.integers(0, items, (n, items))
+    means = values[s_idx[:, :, None], i_idx[:, None, :]].mean(axis=(1, 2))
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(values.mean()), float(lo), float(hi)
+
+
+def mean_series(runs: list[dict], key: str) -> list[float]:
+    """Per-step mean over seeds (runs of one variant have the same steps)."""
+    values = [r["series"].get(key, []) for r in runs]
+    return [statistics.fmean(xs) for xs in zip(*values, strict=True)]
+
+
+def summarize(results: dict, chosen: list[Variant]) -> dict:
+    from sb_titan.eval.heldout import DISTANCE_BUCKETS, distance_bucket
+
+    out = {}
+    distances = np.array(next(iter(results["runs"].values()))["distances"])
+    buckets = [distance_bucket(d) for d in distances]
+    names = [f"{lo}-{hi}" for lo, hi in itertools.pairwise(DISTANCE_BUCKETS)]
+    timing = results.get("timing", {}).get("variants", {})
+    for v in chosen:
+        mode = "dense" if v.eval_budget is None else "sparse"
+        seeds, em = _em_matrix(results, v.name, mode)
+        if not seeds:
+            continue
+        runs = [results["runs"][f"{v.name}/seed{s}"] for s in seeds]
+        row = {
+            "label": v.label,
+            "seeds": seeds,
+            "eval": mode if v.eval_budget is None else f"sparse β={v.eval_budget:g}",
+            "em": bootstrap(em),
+            "em_dense_eval": bootstrap(_em_matrix(results, v.name, "dense")[1]),
+            "by_distance": {
+                b: bootstrap(em[:, [x == b for x in buckets]])
+                for b in names
+                if any(x == b for x in buckets)
+            },
+            "loss": statistics.fmean(r[mode]["loss"] for r in runs),
+            "value_loss": statistics.fmean(r[mode]["value_loss"] for r in runs),
+            "density": mean_series(runs, "density"),
+            "recall": mean_series(runs, "recall"),
+        }
+        if v.name in timing:
+            row["step_s"] = timing[v.name]
+        for ref in ("dense", "sab_static"):
+            ref_seeds, ref_em = _em_matrix(results, ref, "dense" if ref == "dense" else "sparse")
+            common = sorted(set(seeds) & set(ref_seeds))
+            if ref != v.name and len(common) == len(seeds) == len(ref_seeds):
+                row[f"vs_{ref}"] = bootstrap(em, ref_em)
+        out[v.name] = row
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(ci: tuple[float, float, float], pct: bool = True) -> str:
+    k = 100 if pct else 1
+    return f"{ci[0] * k:.1f} [{ci[1] * k:.1f}, {ci[2] * k:.1f}]"
+
+
+def markdown(results: dict, summary: dict) -> str:
+    s = results["settings"]
+    n_items = len(next(iter(results["runs"].values()))["distances"])
+    head = (
+        f"Debug model (2 layers), fine-tuned {s['steps']} steps from `bench/accuracy_base` on "
+        f"4096-token rows ({s['config']}, DP = 2 x 2 micro-batches); held-out: "
+        f"{s['heldout']['docs']} documents of {'/'.join(map(str, s['heldout']['lengths']))} tokens "
+        f"(corpus seed {s['heldout']['seed']}), {n_items} recalls. Exact match in %, "
+        "mean [95% bootstrap interval over seeds x items]; Δ are paired. Chance (guessing a "
+        "4-digit value): 0.01%.\n\n"
+    )
+    buckets = list(next(iter(summary.values()))["by_distance"])
     rows = [
-        "| variant | eval attention | train density | held-out loss | Δ vs dense (paired) | "
-        "held-out loss (dense eval) | retrieval acc. | step time (s) | final train loss |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | seeds | eval | exact match | Δ vs dense | Δ vs SAB static | "
+        + " | ".join(f"EM {b}" for b in buckets)
+        + " | held-out loss | density (first → last step) | step s |",
+        "|---|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|",
     ]
-
-    def cell(s: dict, digits: int = 3) -> str:
-        return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}"
-
-    def own_loss(run: dict) -> float:
-        return run.get("heldout_loss_sparse", run["heldout_loss_dense"])
-
-    dense_by_seed = {r["seed"]: own_loss(r) for r in result["variants"]["dense"]["runs"]}
-    for name, v in result["variants"].items():
-        s = v["summary"]
-        mode = v["eval_attention"]
-        if mode == "sparse":
-            mode += f" (β={v['eval_budget']:g})"
-        own = s.get("heldout_loss_sparse") or s["heldout_loss_dense"]
-        deltas = [own_loss(r) - dense_by_seed[r["seed"]] for r in v["runs"]]
-        delta = ", ".join(f"{d:+.4f}" for d in deltas)
-        density = [r["train_density"] for r in v["runs"] if "train_density" in r]
-        dens = f"{statistics.fmean(density):.3f}" if density else "1 (dense)"
+    for r in summary.values():
+        dens = f"{r['density'][0]:.2f} → {r['density'][-1]:.2f}" if r["density"] else "1 (dense)"
+        step = f"{r['step_s']:.2f}" if "step_s" in r else "—"
         rows.append(
-            f"| {name} | {mode} | {dens} | {cell(own)} | {delta} | "
-            f"{cell(s['heldout_loss_dense'])} | {cell(s['retrieval_mean'], 2)} | "
-            f"{cell(s['step_time_s'], 2)} | {cell(s['final_train_loss'])} |"
+            f"| {r['label']} | {len(r['seeds'])} | {r['eval']} | {fmt(r['em'])} | "
+            f"{fmt(r['vs_dense']) if 'vs_dense' in r else '—'} | "
+            f"{fmt(r['vs_sab_static']) if 'vs_sab_static' in r else '—'} | "
+            + " | ".join(
+                fmt(r["by_distance"][b]) if b in r["by_distance"] else "—" for b in buckets
+            )
+            + f" | {r['loss']:.3f} | {dens} | {step} |"
         )
     return head + "\n".join(rows) + "\n"
 
 
-def write_doc_table(table: str) -> None:
-    """Replace the generated block in docs/eval.md (between the accuracy markers)."""
-    begin, end = "<!-- accuracy:begin -->", "<!-- accuracy:end -->"
-    text = DOC.read_text() if DOC.is_file() else f"# Evaluation\n\n{begin}\n{end}\n"
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in summary.values():
+        mean, lo, hi = (100 * x for x in r["em"])
+        if "step_s" in r:
+            ax1.errorbar(r["step_s"], mean, yerr=[[mean - lo], [hi - mean]], fmt="o", capsize=3)
+            ax1.annotate(r["label"], (r["step_s"], mean), fontsize=7, xytext=(4, 4),
+                         textcoords="offset points")  # fmt: skip
+        if r["density"]:
+            ax2.plot(range(1, len(r["density"]) + 1), r["density"], label=r["label"])
+    ax1.set_xlabel("step time (s, quiet run, 2 CPU ranks)")
+    ax1.set_ylabel("held-out exact match (%)")
+    ax1.set_title("accuracy vs step time (95% intervals)")
+    ax2.set_xlabel("fine-tuning step")
+    ax2.set_ylabel("realised density (kept blocks / causal blocks)")
+    ax2.set_title("density over fine-tuning (mean over seeds)")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def replace_block(path: Path, name: str, body: str) -> None:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = path.read_text()
     if begin not in text:
         text += f"\n{begin}\n{end}\n"
     pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
-    DOC.write_text(pattern.sub(lambda _: f"{begin}\n{table}{end}", text))
+    path.write_text(pattern.sub(lambda _: f"{begin}\n{body}{end}", text))
+
+
+def write_report(results: dict, chosen: list[Variant]) -> None:
+    summary = summarize(results, chosen)
+    results["summary"] = summary
+    OUT.write_text(json.dumps(results) + "\n")
+    table = markdown(results, summary)
+    replace_block(DOC, "accuracy", table)
+    replace_block(RESULTS_DOC, "accuracy", table)
+    plot(summary, PLOT)
+    print(table)
+    print(f"wrote {OUT}, the tables in {DOC} and {RESULTS_DOC}, and {PLOT}")
+
+
+# ---------------------------------------------------------------- base and timing
+
+
+def pretrain(args: argparse.Namespace) -> None:
+    """The dense base model: one command, reproducible up to CPU floating-point order.
+
+    The run follows a PRETRAIN_STEPS-step schedule and the base is its checkpoint at
+    step `--take` (the run is stopped there): how far it must go was read off the
+    pilot's held-out recall, and the schedule stays the same whatever is taken."""
+    from sb_titan.eval.checkpoint import load_from_config
+    from sb_titan.eval.heldout import heldout_documents, score_heldout
+    from sb_titan.tools.export import copy_tokenizer, export_model, hf_config
+
+    dump = Path(args.root) / "pretrain"
+    take = args.take
+    t0 = time.perf_counter()
+    if not finished(dump, take):
+        dump.mkdir(parents=True, exist_ok=True)
+        torchrun(PRETRAIN, dump, PRETRAIN_ARGS, dump / "train.log", until=take)
+    loaded = load_from_config(dump / "checkpoint" / f"step-{take}", PRETRAIN, "dense")
+    scores = {}
+    for length in (256, 1024):
+        report = score_heldout(loaded.model, heldout_documents([length] * 64, HELDOUT_SEED))
+        scores[f"heldout_{length}"] = {
+            "exact_match": round(report.exact_match(), 4),
+            "loss": round(report.loss, 4),
+            "recalls": len(report.items),
+        }
+    if BASE.exists():
+        shutil.rmtree(BASE)
+    export_model(loaded.model, loaded.dims, BASE)
+    bos, eos = copy_tokenizer(loaded.tokenizer_dir, BASE)
+    config = hf_config(loaded.dims, "float32", bos, eos)
+    (BASE / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    recipe = {
+        "command": f"python bench/accuracy.py pretrain --take {take}",
+        "config": str(PRETRAIN.relative_to(REPO)),
+        "overrides": PRETRAIN_ARGS,
+        "taken_at_step": take,
+        "wall_s": round(time.perf_counter() - t0),
+        **scores,
+        "model_sha256": sha256(BASE / "model.safetensors"),
+        "note": "Reproduction is not bit-identical across CPUs (floating-point reduction order).",
+    }
+    (BASE / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+    print(json.dumps(recipe, indent=2))
+
+
+def timing(args: argparse.Namespace) -> None:
+    """Median step time per variant (after 3 warm-up steps), variants interleaved, twice."""
+    chosen = [v for v in variants(args.low, ()) if not v.label.endswith("(sweep)")]
+    steps = 12
+    root = Path(args.root) / "timing"
+    measured: dict[str, list[float]] = {}
+    for rep in range(args.repeats):
+        for v in chosen:
+            dump = root / f"{v.name}_{rep}"
+            shutil.rmtree(dump, ignore_errors=True)
+            dump.mkdir(parents=True)
+            torchrun(FINETUNE, dump, ["--training.steps", str(steps), *v.overrides], dump / "log")
+            step_s = series(dump)["step_s"][3:]
+            measured.setdefault(v.name, []).extend(step_s)
+            print(f"  {v.name} repeat {rep}: median {statistics.median(step_s):.3f}s", flush=True)
+    results = json.loads(OUT.read_text()) if OUT.is_file() else {"settings": {}, "runs": {}}
+    results["timing"] = {
+        "steps": steps,
+        "repeats": args.repeats,
+        "load_avg": os.getloadavg()[0],
+        "variants": {k: round(statistics.median(v), 4) for k, v in measured.items()},
+    }
+    OUT.write_text(json.dumps(results) + "\n")
+    print(json.dumps(results["timing"], indent=2))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 seed, 10 steps, small probe")
+    parser.add_argument("command", nargs="?", default="study",
+                        choices=("study", "pretrain", "timing", "report"))  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="2 variants, 1 seed, 3 steps")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--seeds", default=None, help="comma-separated debug.seed values")
-    parser.add_argument("--root", default="/tmp/sb_accuracy", help="dump folders")
-    parser.add_argument(
-        "--table-only", action="store_true", help="rewrite docs/eval.md's table from the JSON"
-    )
+    parser.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
+    parser.add_argument("--low", type=float, default=0.3, help="the static budget that hurts")
+    parser.add_argument("--sweep", default="0.7,0.5,0.1", help="more static budgets, first seed")
+    parser.add_argument("--docs", type=int, default=96, help="held-out documents")
+    parser.add_argument("--repeats", type=int, default=2, help="timing: interleaved repeats")
+    parser.add_argument("--take", type=int, default=PRETRAIN_STEPS, help="pretrain: base step")
+    parser.add_argument("--root", default="/tmp/sb_accuracy", help="run folders")
+    parser.add_argument("--out", default=str(OUT), help="results JSON")
     args = parser.parse_args()
-    if args.table_only:
-        write_doc_table(markdown(json.loads(OUT.read_text())))
-        return
-
-    from sb_titan.eval.retrieval import RetrievalConfig
-
-    steps = args.steps or (10 if args.quick else 30)
-    seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1")).split(",")]
-    retrieval_cfg = RetrievalConfig(
-        lengths=[512, 1024], depths=[0.0, 0.5, 1.0], trials=4 if args.quick else 6, seed=4321
-    )
-    torch.set_num_threads(2)
-    root = Path(args.root)
-    seq_len = 1024  # debug_cpu.toml
-    docs = heldout_docs(seq_len)
-    t_start = time.perf_counter()
-    result: dict = {
-        "config": str(CONFIG.relative_to(REPO)),
-        "steps": steps,
-        "seq_len": seq_len,
-        "seeds": seeds,
-        "heldout": {"corpus_seed": HELDOUT_SEED, "docs": len(docs), "min_len": MIN_DOC_LEN},
-        "retrieval": {
-            "lengths": retrieval_cfg.lengths,
-            "depths": retrieval_cfg.depths,
-            "trials": retrieval_cfg.trials,
-            "seed": retrieval_cfg.seed,
-        },
-        "cost_model": str(PROFILE.relative_to(REPO)) if PROFILE.is_file() else "analytic cpu",
-        "variants": {},
-    }
-    for name, (overrides, attention) in variants().items():
-        runs = []
-        for seed in seeds:
-            dump = train(name, overrides, seed, steps, root)
-            tb = read_scalars(dump)
-            run = {
-                "seed": seed,
-                "step_time_s": round(_median_after_warmup(tb["time_metrics/end_to_end(s)"]), 4),
-                "final_train_loss": round(_mean_last(tb["loss_metrics/global_avg_loss"]), 4),
-            }
-            if "sparsity/density" in tb:
-                run["train_density"] = round(_mean_last(tb["sparsity/density"], steps), 4)
-            if "dst/budget_mean" in tb:
-                run["train_budget_mean"] = round(_mean_last(tb["dst/budget_mean"], steps), 4)
-            run.update(evaluate(dump, attention, docs, retrieval_cfg))
-            runs.append(run)
-            print(
-                f"  {name} seed {seed}: "
-                + json.dumps({k: v for k, v in run.items() if k != "retrieval"}),
-                flush=True,
-            )
-        keys = ["step_time_s", "final_train_loss", "heldout_loss_dense", "retrieval_mean"]
-        if attention == "sparse":
-            keys.append("heldout_loss_sparse")
-        result["variants"][name] = {
-            "train_overrides": overrides,
-            "eval_attention": attention,
-            "eval_budget": runs[0]["eval_budget"],
-            "runs": runs,
-            "summary": {k: summarize(runs, k) for k in keys},
-        }
-    result["wall_s"] = round(time.perf_counter() - t_start, 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown(result)
-    write_doc_table(table)
-    print(table)
-    print(f"wrote {OUT} and the table in {DOC} ({result['wall_s']:.0f}s)")
+    if args.command == "pretrain":
+        pretrain(args)
+    elif args.command == "timing":
+        timing(args)
+    elif args.command == "report":
+        results = json.loads(Path(args.out).read_text())
+        sweep = tuple(float(b) for b in args.sweep.split(",")) if args.sweep else ()
+        write_report(results, variants(args.low, sweep))
+    else:
+        run_study(args)
 
 
 if __name__ == "__main__":

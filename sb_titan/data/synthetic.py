@@ -92,6 +92,8 @@ class SyntheticCorpus:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def _filler(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if n <= 0:  # a recall-dense document can be all facts and queries
+            return np.zeros(0, dtype=np.int64)
         out: list[np.ndarray] = []
         have = 0
         while have < n:

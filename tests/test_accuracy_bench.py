@@ -1,0 +1,76 @@
+"""bench/accuracy.py: `--quick` fine-tunes the shipped base (2 variants, real torchrun) and
+scores it; the bootstrap intervals behave as intervals. No accuracy figure of the full
+study is asserted here; the base must recall within its pretraining context."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, cpu_env
+
+_spec = importlib.util.spec_from_file_location("accuracy_bench", REPO / "bench" / "accuracy.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["accuracy_bench"] = bench  # its dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+def test_bootstrap_is_an_interval_over_seeds_and_items():
+    rng = np.random.default_rng(0)
+    em = (rng.random((3, 400)) < 0.6).astype(float)
+    mean, lo, hi = bench.bootstrap(em)
+    assert mean == pytest.approx(em.mean()) and lo < mean < hi
+    assert 0.02 < hi - lo < 0.2  # ~ 1.96 * 2 * sqrt(.24 / 1200) plus the seed spread
+    assert bench.bootstrap(np.ones((3, 50))) == (1.0, 1.0, 1.0)
+    same = bench.bootstrap(em, em)
+    assert same == (0.0, 0.0, 0.0)  # paired: identical variants differ by exactly 0
+    better = em.copy()
+    better[:, :100] = 1.0
+    d, d_lo, d_hi = bench.bootstrap(better, em)
+    assert d > 0 and d_lo > 0  # a real improvement on paired items is detected
+    # seeds that disagree widen the interval beyond the items' own spread
+    spread = em.copy()
+    spread[0] = 0.0
+    assert np.diff(bench.bootstrap(spread)[1:])[0] > hi - lo
+
+
+@pytest.mark.skipif(not (bench.BASE / "model.safetensors").is_file(), reason="no base model")
+def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
+    out = tmp_path / "accuracy.json"
+    cmd = [sys.executable, str(REPO / "bench" / "accuracy.py"), "--quick"]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out), "--root", str(tmp_path / "runs")],
+        cwd=REPO,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["settings"]["base_sha256"] == bench.sha256(bench.BASE / "model.safetensors")
+    runs = result["runs"]
+    assert set(runs) == {"dense/seed0", "sab_dst_recall/seed0"}
+    for run in runs.values():
+        assert len(run["series"]["loss"]) == 3
+        assert len(run["dense"]["exact"]) == len(run["distances"]) > 0
+    sparse = runs["sab_dst_recall/seed0"]
+    assert len(sparse["series"]["density"]) == 3 and sparse["sparse"]["budget"] == 0.9
+    assert "sparse" not in runs["dense/seed0"]
+    # fine-tuning started from the base, not from a random init: it still recalls
+    assert runs["dense/seed0"]["dense"]["em"] >= 0.3
+    # resumable: a second invocation finds every run done and trains nothing
+    again = subprocess.run(
+        [*cmd, "--out", str(out), "--root", str(tmp_path / "runs")],
+        cwd=REPO,
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and "[1/2]" not in again.stdout
+    assert json.loads(out.read_text())["runs"] == runs
