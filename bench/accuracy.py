@@ -1,13 +1,13 @@
 """The accuracy half of SparseBalance: what sparse training and DST do to what a model learns.
 
-    python bench/accuracy.py pretrain   # the dense base -> bench/accuracy_base (~45 min)
+    python bench/accuracy.py pretrain --take K  # the dense base -> bench/accuracy_base
     python bench/accuracy.py            # the fine-tuning study (resumable, appends per run)
     python bench/accuracy.py timing     # step time per variant, in a quiet separate run
     python bench/accuracy.py report     # table + plots from bench/results/accuracy.json
     python bench/accuracy.py --quick    # 2 variants x 3 steps, in the test suite
 
 As the paper does, every variant fine-tunes a *pretrained* model: the base is the debug
-model (2 layers) trained densely at 1024 tokens on a recall-dense mix of the bundled
+model (2 layers) trained densely at 512 tokens on a recall-dense mix of the bundled
 corpus until it recalls key -> value facts. Each variant then fine-tunes it on
 4096-token rows (train_configs/accuracy_cpu.toml, DP = 2 torchrun processes x 2
 micro-batches) for the same steps and seeds, and is scored on held-out documents of
@@ -40,7 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "bench" / "accuracy_base"
 FINETUNE = REPO / "train_configs" / "accuracy_cpu.toml"
-PRETRAIN = REPO / "train_configs" / "debug_cpu.toml"
+PRETRAIN = REPO / "train_configs" / "accuracy_base_cpu.toml"
 OUT = REPO / "bench" / "results" / "accuracy.json"
 DOC = REPO / "docs" / "eval.md"
 RESULTS_DOC = REPO / "docs" / "results.md"
@@ -48,22 +48,7 @@ PLOT = REPO / "docs" / "accuracy.png"
 HELDOUT_SEED = 777
 HELDOUT_LENGTHS = (2048, 4096)
 BETA0 = 0.9
-PRETRAIN_STEPS = 12000
-PRETRAIN_ARGS = [
-    "--training.steps", str(PRETRAIN_STEPS),
-    "--sparse_attention.no-enabled",
-    "--training.seq_len", "256",
-    "--training.local_batch_size", "4",
-    "--lr_scheduler.warmup_steps", "20",
-    "--checkpoint.enable",
-    "--checkpoint.interval", "500",
-    "--checkpoint.keep_latest_k", "0",
-    "--checkpoint.last_save_model_only",
-    "--metrics.log_freq", "50",
-    "--dataloader.synthetic_docs", "400000",
-    "--dataloader.synthetic_fact_every", "32",
-    "--dataloader.synthetic_recalls", "8",
-]  # fmt: skip
+PRETRAIN_STEPS = 4000  # train_configs/accuracy_base_cpu.toml
 
 
 @dataclass(frozen=True)
@@ -163,6 +148,8 @@ def series(dump: Path) -> dict[str, list[float]]:
         "density": "sparsity/density",
         "recall": "sparsity/recall",
         "budget_mean": "dst/budget_mean",
+        "budget_min": "dst/budget_min",
+        "budget_max": "dst/budget_max",
         "step_s": "time_metrics/end_to_end(s)",
     }
     return {k: [round(v, 5) for _, v in sorted(tb[t].items())] for k, t in tags.items() if t in tb}
@@ -186,7 +173,7 @@ def run_study(args: argparse.Namespace) -> None:
     if not (BASE / "model.safetensors").is_file():
         sys.exit(f"{BASE}: no base checkpoint; `python bench/accuracy.py pretrain` makes it")
     quick = args.quick
-    steps = args.steps or (3 if quick else 40)
+    steps = args.steps or (3 if quick else 30)
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
     sweep = tuple(float(b) for b in args.sweep.split(",")) if args.sweep else ()
     chosen = variants(args.low, () if quick else sweep)
@@ -221,7 +208,10 @@ def run_study(args: argparse.Namespace) -> None:
         dump = root / v.name / f"seed{seed}"
         t_run = time.perf_counter()
         if not finished(dump, steps):
-            train_args = ["--training.steps", str(steps), "--debug.seed", str(seed), *extra]
+            # a fine-tuning run from a fixed base is deterministic but for its data: the
+            # seed picks the documents (the same for every variant at that seed)
+            data = ["--dataloader.synthetic_seed", str(1 + seed), "--debug.seed", str(seed)]
+            train_args = ["--training.steps", str(steps), *data, *extra]
             torchrun(FINETUNE, dump, [*train_args, *v.overrides], root / f"{v.name}_seed{seed}.log")
         run = {"variant": v.name, "seed": seed, "series": series(dump)}
         run.update(evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs))
@@ -417,10 +407,10 @@ def pretrain(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     if not finished(dump, take):
         dump.mkdir(parents=True, exist_ok=True)
-        torchrun(PRETRAIN, dump, PRETRAIN_ARGS, dump / "train.log", until=take)
+        torchrun(PRETRAIN, dump, [], dump / "train.log", until=take)
     loaded = load_from_config(dump / "checkpoint" / f"step-{take}", PRETRAIN, "dense")
     scores = {}
-    for length in (256, 1024):
+    for length in (512, 1024):
         report = score_heldout(loaded.model, heldout_documents([length] * 64, HELDOUT_SEED))
         scores[f"heldout_{length}"] = {
             "exact_match": round(report.exact_match(), 4),
@@ -436,7 +426,6 @@ def pretrain(args: argparse.Namespace) -> None:
     recipe = {
         "command": f"python bench/accuracy.py pretrain --take {take}",
         "config": str(PRETRAIN.relative_to(REPO)),
-        "overrides": PRETRAIN_ARGS,
         "taken_at_step": take,
         "wall_s": round(time.perf_counter() - t0),
         **scores,
@@ -480,9 +469,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 variants, 1 seed, 3 steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
-    parser.add_argument("--low", type=float, default=0.3, help="the static budget that hurts")
-    parser.add_argument("--sweep", default="0.7,0.5,0.1", help="more static budgets, first seed")
-    parser.add_argument("--docs", type=int, default=96, help="held-out documents")
+    parser.add_argument("--low", type=float, default=0.1, help="the static budget that hurts")
+    parser.add_argument("--sweep", default="0.5,0.3", help="more static budgets, first seed")
+    parser.add_argument("--docs", type=int, default=64, help="held-out documents")
     parser.add_argument("--repeats", type=int, default=2, help="timing: interleaved repeats")
     parser.add_argument("--take", type=int, default=PRETRAIN_STEPS, help="pretrain: base step")
     parser.add_argument("--root", default="/tmp/sb_accuracy", help="run folders")

@@ -60,6 +60,9 @@ FLAVORS: dict[str, Qwen25Dims] = {
     # Tiny CPU model; head_dim 64 like 0.5B so the sparse kernels' shapes are real.
     # Untied so that pipeline parallelism works out of the box.
     "debug": Qwen25Dims(256, 2, 4, 2, 64, 512, 1024, False, 32768),
+    # The same with 4 layers: multi-token key -> value recall needs composed offset heads
+    # that 2 layers of 4 heads did not learn in CPU time (bench/accuracy.py's base).
+    "debug4": Qwen25Dims(256, 4, 4, 2, 64, 512, 1024, False, 32768),
     # Published Qwen2.5 dimensions (Hugging Face config.json).
     "0.5b": Qwen25Dims(896, 24, 14, 2, 64, 4864, 151936, True),
     "1.5b": Qwen25Dims(1536, 28, 12, 2, 128, 8960, 151936, True),
