@@ -48,7 +48,7 @@ PLOT = REPO / "docs" / "accuracy.png"
 HELDOUT_SEED = 777
 HELDOUT_LENGTHS = (2048, 4096)
 BETA0 = 0.9
-PRETRAIN_STEPS = 4000  # train_configs/accuracy_base_cpu.toml
+PRETRAIN_STEPS = 8000  # train_configs/accuracy_base_cpu.toml
 
 
 @dataclass(frozen=True)
@@ -96,15 +96,29 @@ def torchrun(
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
         )
+        shown = time.monotonic()
         while proc.poll() is None:
             if until is not None and finished(dump, until):
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait()
                 return
             time.sleep(2)
+            if time.monotonic() - shown > 30:  # progress: the run's latest step line
+                shown = time.monotonic()
+                if line := last_step_line(log):
+                    print(f"  {dump.name}: {line}", flush=True)
     if proc.returncode != 0:
         tail = log.read_text()[-4000:]
         sys.exit(f"training failed ({' '.join(cmd[5:])}); last lines of {log}:\n{tail}")
+
+
+def last_step_line(log: Path) -> str | None:
+    """The trainer's latest console step line, without colour codes."""
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - 4096))
+        lines = re.sub(r"\x1b\[[0-9;]*m", "", f.read().decode(errors="replace")).splitlines()
+    steps = [line.split(" - ")[-1] for line in lines if "step:" in line]
+    return steps[-1].strip() if steps else None
 
 
 def finished(dump: Path, steps: int) -> bool:
@@ -117,7 +131,9 @@ def heldout(n_docs: int, lengths: tuple[int, ...]):
     return heldout_documents([lengths[i % len(lengths)] for i in range(n_docs)], HELDOUT_SEED)
 
 
-def evaluate(checkpoint: Path, config: Path, budget: float | None, docs) -> dict:
+def evaluate(
+    checkpoint: Path, config: Path, budget: float | None, docs, cli_args: list[str]
+) -> dict:
     """Held-out scores with dense attention, and with the variant's sparse attention."""
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.eval.heldout import score_heldout
@@ -125,7 +141,7 @@ def evaluate(checkpoint: Path, config: Path, budget: float | None, docs) -> dict
     out = {}
     modes = {"dense": 1.0} | ({} if budget is None else {"sparse": budget})
     for mode, beta in modes.items():
-        model = load_from_config(checkpoint, config, mode).model
+        model = load_from_config(checkpoint, config, mode, cli_args).model
         report = score_heldout(model, docs, beta)
         out[mode] = {
             "exact": [int(it.exact) for it in report.items],
@@ -170,8 +186,9 @@ def load_results(path: Path, settings: dict) -> dict:
 
 
 def run_study(args: argparse.Namespace) -> None:
-    if not (BASE / "model.safetensors").is_file():
-        sys.exit(f"{BASE}: no base checkpoint; `python bench/accuracy.py pretrain` makes it")
+    base = Path(args.base).resolve()
+    if not (base / "model.safetensors").is_file():
+        sys.exit(f"{base}: no base checkpoint; `python bench/accuracy.py pretrain` makes it")
     quick = args.quick
     steps = args.steps or (3 if quick else 30)
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
@@ -179,12 +196,12 @@ def run_study(args: argparse.Namespace) -> None:
     chosen = variants(args.low, () if quick else sweep)
     if quick:
         chosen = [v for v in chosen if v.name in ("dense", "sab_dst_recall")]
-    extra = ["--training.seq_len", "1024"] if quick else []
+    extra = ["--hf_assets_path", str(base)] + (["--training.seq_len", "1024"] if quick else [])
     n_docs = 8 if quick else args.docs
     lengths = (1024,) if quick else HELDOUT_LENGTHS  # quick: within the base's context
     settings = {
         "config": str(FINETUNE.relative_to(REPO)),
-        "base_sha256": sha256(BASE / "model.safetensors"),
+        "base_sha256": sha256(base / "model.safetensors"),
         "steps": steps,
         "extra": extra,
         "heldout": {"seed": HELDOUT_SEED, "lengths": list(lengths), "docs": n_docs},
@@ -214,7 +231,7 @@ def run_study(args: argparse.Namespace) -> None:
             train_args = ["--training.steps", str(steps), *data, *extra]
             torchrun(FINETUNE, dump, [*train_args, *v.overrides], root / f"{v.name}_seed{seed}.log")
         run = {"variant": v.name, "seed": seed, "series": series(dump)}
-        run.update(evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs))
+        run.update(evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs, extra))
         results["runs"][key] = run
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results) + "\n")
@@ -473,6 +490,7 @@ def main() -> None:
     parser.add_argument("--sweep", default="0.5,0.3", help="more static budgets, first seed")
     parser.add_argument("--docs", type=int, default=64, help="held-out documents")
     parser.add_argument("--repeats", type=int, default=2, help="timing: interleaved repeats")
+    parser.add_argument("--base", default=str(BASE), help="the base HF folder to fine-tune")
     parser.add_argument("--take", type=int, default=PRETRAIN_STEPS, help="pretrain: base step")
     parser.add_argument("--root", default="/tmp/sb_accuracy", help="run folders")
     parser.add_argument("--out", default=str(OUT), help="results JSON")

@@ -162,3 +162,18 @@ def tiny_qwen_tokenizer(path: Path, vocab_size: int = 320, text: str = "") -> Pa
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(QWEN_TOKENIZER_CONFIG, indent=2))
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A randomly initialised debug model saved as a DCP step (the eval CLIs' input)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from sb_titan.eval.checkpoint import load_from_config
+
+    torch.manual_seed(0)
+    model = load_from_config(None, DEBUG_TOML).model
+    step = tmp_path_factory.mktemp("dump") / "checkpoint" / "step-1"
+    dcp.save(model.state_dict(), checkpoint_id=str(step))
+    return step

@@ -5,11 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-import torch
-
 from sb_titan.data.tokenizer import load_tokenizer
-from sb_titan.eval.checkpoint import load_from_config
 from sb_titan.eval.longbench import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
@@ -116,17 +112,6 @@ def test_category_averages():
         "average (zh)": 55.0,
         "average": 40.0,
     }
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    import torch.distributed.checkpoint as dcp
-
-    torch.manual_seed(0)
-    model = load_from_config(None, DEBUG_TOML).model
-    step = tmp_path_factory.mktemp("dump") / "checkpoint" / "step-1"
-    dcp.save(model.state_dict(), checkpoint_id=str(step))
-    return step
 
 
 def test_end_to_end_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):

@@ -14,7 +14,6 @@ import torch
 import sb_titan.eval.ruler as ruler
 from sb_titan.data.synthetic import WORDS
 from sb_titan.data.tokenizer import load_tokenizer
-from sb_titan.eval.checkpoint import load_from_config
 from sb_titan.eval.generate import GenerationResult
 from sb_titan.eval.niah import (
     CORPUS_NOISE,
@@ -270,17 +269,6 @@ def test_chained_questions_see_their_own_answers(tok, monkeypatch):
 
 
 # --- the CLI ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory) -> Path:
-    import torch.distributed.checkpoint as dcp
-
-    torch.manual_seed(0)
-    model = load_from_config(None, DEBUG_TOML).model
-    step = tmp_path_factory.mktemp("dump") / "checkpoint" / "step-1"
-    dcp.save(model.state_dict(), checkpoint_id=str(step))
-    return step
 
 
 def test_cli_on_a_tiny_checkpoint(tiny_checkpoint, tmp_path, capsys):

@@ -290,7 +290,7 @@ class SBTrainer(Trainer):
         slots = sum(len(mb.rows) for rank in plan.microbatches for mb in rank)
         metrics["data/real_tokens"] = real  # padding excluded: compare policies per token
         metrics["data/padding_share"] = 1.0 - real / (slots * self.config.training.seq_len)
-        if self._budgets:
+        if self._budgets and self.config.sparse_attention.enabled:  # dense: no budget applies
             flat = [b for rank in self._budgets for b in rank]
             metrics.update(
                 {
