@@ -329,7 +329,7 @@ def markdown(results: dict, summary: dict) -> str:
     s = results["settings"]
     n_items = len(next(iter(results["runs"].values()))["distances"])
     head = (
-        f"Debug model (2 layers), fine-tuned {s['steps']} steps from `bench/accuracy_base` on "
+        f"debug4 model (4 layers), fine-tuned {s['steps']} steps from `bench/accuracy_base` on "
         f"4096-token rows ({s['config']}, DP = 2 x 2 micro-batches); held-out: "
         f"{s['heldout']['docs']} documents of {'/'.join(map(str, s['heldout']['lengths']))} tokens "
         f"(corpus seed {s['heldout']['seed']}), {n_items} recalls. Exact match in %, "
