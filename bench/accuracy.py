@@ -48,7 +48,7 @@ PLOT = REPO / "docs" / "accuracy.png"
 HELDOUT_SEED = 777
 HELDOUT_LENGTHS = (2048, 4096)
 BETA0 = 0.9
-PRETRAIN_STEPS = 8000  # train_configs/accuracy_base_cpu.toml
+PRETRAIN_STEPS = 4000  # train_configs/accuracy_base_cpu.toml
 
 
 @dataclass(frozen=True)
