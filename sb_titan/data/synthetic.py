@@ -105,10 +105,22 @@ class SyntheticCorpus:
 
     def document(self, sample_id: int) -> np.ndarray:
         """All tokens of one document (deterministic in seed and id)."""
-        return self.annotated(sample_id)[0]
+        return self._generate(sample_id)[0]
 
     def annotated(self, sample_id: int) -> tuple[np.ndarray, list[Recall]]:
         """One document and where its recall tasks sit (for scoring held-out recall)."""
+        doc, asked = self._generate(sample_id)
+        tasks = []
+        for fact_at, query_end, value in asked:
+            value_len = len(self._encode(f" {value}"))
+            value_at = query_end - value_len - 1  # the value, then " ."
+            if value_at + value_len <= len(doc):  # not cut off by the document's end
+                tasks.append(Recall(fact_at, value_at, value_len))
+        return doc, tasks
+
+    def _generate(self, sample_id: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """The document, and (fact start, query end, value) of each recall it asks; the
+        value's tokens are left to `annotated`, off the loader's path."""
         n = int(self._lengths[sample_id])
         rng = np.random.default_rng([self.seed, sample_id])
         bos = self.tokenizer.token_to_id(BOS)
@@ -126,8 +138,7 @@ class SyntheticCorpus:
             kept = [int(i) for i in asked]
         filler = self._filler(rng, max(0, body_len - sum(len(facts[i]) for i in kept)))
         cuts = np.sort(rng.integers(0, len(filler) + 1, len(kept)))
-        parts, prev, fact_at = [np.array([bos])], 0, {}
-        offset = 1
+        parts, prev, offset, fact_at = [np.array([bos])], 0, 1, {}
         for cut, i in zip(cuts, kept, strict=True):
             offset += int(cut) - prev
             fact_at[i] = offset
@@ -138,12 +149,9 @@ class SyntheticCorpus:
         parts.append(filler[prev:])
         recalls = []
         for i, query in zip(asked, queries, strict=True):
-            value_len = len(self._encode(f" {values[i]}"))
-            value_at = offset + len(query) - value_len - 1  # the value, then " ."
-            if value_at + value_len <= n:
-                recalls.append(Recall(int(fact_at[int(i)]), int(value_at), value_len))
-            parts.append(np.array(query))
             offset += len(query)
+            recalls.append((fact_at[int(i)], offset, int(values[i])))
+            parts.append(np.array(query))
         doc = np.concatenate(parts).astype(np.int64)
         if len(doc) < n:
             doc = np.concatenate([doc, self._filler(rng, n - len(doc))])
