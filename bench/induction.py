@@ -25,7 +25,7 @@ OUT = REPO / "bench" / "results" / "induction.json"
 
 def run(flavor: str, lr: float, steps: int, rows: int = 16, half: int = 64) -> dict:
     from sb_titan.eval.checkpoint import load_from_config
-    from sb_titan.eval.generate import _meta
+    from sb_titan.eval.generate import uniform_meta
 
     torch.manual_seed(0)
     config = REPO / "train_configs" / "debug_cpu.toml"
@@ -37,7 +37,7 @@ def run(flavor: str, lr: float, steps: int, rows: int = 16, half: int = 64) -> d
     for step in range(1, steps + 1):
         x = torch.randint(10, 1000, (rows, half))
         ids = torch.cat([x, x], 1)
-        meta = _meta(rows, length, 1.0, ids.device)
+        meta = uniform_meta(rows, length, 1.0, ids.device)
         logits = model(ids, positions=positions, attention_masks=meta)
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
         opt.zero_grad()

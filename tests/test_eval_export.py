@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sb_titan.eval.checkpoint import load_from_config, load_from_hf, resolve_checkpoint
-from sb_titan.eval.generate import _meta
+from sb_titan.eval.generate import uniform_meta
 from sb_titan.tools.export import export_model, hf_config
 from sb_titan.tools.export import main as export_main
 
@@ -27,7 +27,7 @@ def _ours_logits(model, tokens, budget: float = 1.0):
         return model(
             tokens,
             positions=torch.arange(L).expand(B, L),
-            attention_masks=_meta(B, L, budget, tokens.device),
+            attention_masks=uniform_meta(B, L, budget, tokens.device),
         )
 
 

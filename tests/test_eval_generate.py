@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sb_titan.eval.checkpoint import build_model
-from sb_titan.eval.generate import _meta, forward_last_logits, greedy_generate, kv_cache
+from sb_titan.eval.generate import forward_last_logits, greedy_generate, kv_cache, uniform_meta
 from sb_titan.models.qwen2_5 import Qwen25Dims
 from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
 
@@ -29,7 +29,7 @@ def _full_logits(model, tokens: torch.Tensor, budget: float = 1.0) -> torch.Tens
         return model(
             tokens,
             positions=torch.arange(L).expand(B, L),
-            attention_masks=_meta(B, L, budget, tokens.device),
+            attention_masks=uniform_meta(B, L, budget, tokens.device),
         )
 
 

@@ -67,7 +67,7 @@ def kv_cache(model: nn.Module) -> Iterator[list[CachedAttention]]:
             attn.inner_attention = inner
 
 
-def _meta(batch: int, length: int, budget: float, device: torch.device) -> AttnMeta:
+def uniform_meta(batch: int, length: int, budget: float, device: torch.device) -> AttnMeta:
     """One document per row covering the whole prompt, at a uniform budget."""
     return AttnMeta(
         doc_id=torch.zeros(batch, length, dtype=torch.int32, device=device),
@@ -86,7 +86,8 @@ def forward_last_logits(
     skip = model._skip_lm_head
     model._skip_lm_head = True
     try:
-        h = model(tokens, positions=positions, attention_masks=_meta(B, L, budget, tokens.device))
+        meta = uniform_meta(B, L, budget, tokens.device)
+        h = model(tokens, positions=positions, attention_masks=meta)
     finally:
         model._skip_lm_head = skip
     return model.lm_head(h[:, -1]).float()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sb_titan.data.synthetic import Recall, SyntheticCorpus
-from sb_titan.eval.generate import _meta
+from sb_titan.eval.generate import uniform_meta
 
 DISTANCE_BUCKETS = (0, 256, 1024, 2048, 4096)
 """Fact-to-recall distance buckets (tokens): [0, 256), [256, 1024), [1024, 2048), ..."""
@@ -74,7 +74,7 @@ def score_heldout(model, documents, budget: float = 1.0) -> HeldoutReport:
         logits = model(
             ids,
             positions=torch.arange(L, device=device)[None],
-            attention_masks=_meta(1, L, budget, device),
+            attention_masks=uniform_meta(1, L, budget, device),
         )[0].float()
         losses = F.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
         total += float(losses.sum())
