@@ -144,7 +144,7 @@ class SyntheticCorpus:
             fact_at[i] = offset
             parts += [filler[prev:cut], np.array(facts[i])]
             offset += len(facts[i])
-            prev = cut
+            prev = int(cut)
         offset += len(filler) - prev
         parts.append(filler[prev:])
         recalls = []
