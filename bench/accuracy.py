@@ -417,7 +417,7 @@ def pretrain(args: argparse.Namespace) -> None:
     pilot's held-out recall, and the schedule stays the same whatever is taken."""
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.eval.heldout import heldout_documents, score_heldout
-    from sb_titan.tools.export import copy_tokenizer, export_model, hf_config
+    from sb_titan.tools.export import export_folder
 
     dump = Path(args.root) / "pretrain"
     take = args.take
@@ -436,10 +436,7 @@ def pretrain(args: argparse.Namespace) -> None:
         }
     if BASE.exists():
         shutil.rmtree(BASE)
-    export_model(loaded.model, loaded.dims, BASE)
-    bos, eos = copy_tokenizer(loaded.tokenizer_dir, BASE)
-    config = hf_config(loaded.dims, "float32", bos, eos)
-    (BASE / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    export_folder(loaded, BASE)
     recipe = {
         "command": f"python bench/accuracy.py pretrain --take {take}",
         "config": str(PRETRAIN.relative_to(REPO)),

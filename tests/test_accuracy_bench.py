@@ -54,13 +54,10 @@ def _random_base(path):
     """A randomly initialised base in the shipped base's format (sb-export's files)."""
     from sb_titan.data.tokenizer import TOKENIZER_DIR
     from sb_titan.eval.checkpoint import load_from_config
-    from sb_titan.tools.export import copy_tokenizer, export_model, hf_config
+    from sb_titan.tools.export import export_folder
 
-    loaded = load_from_config(None, bench.FINETUNE, "dense")
-    export_model(loaded.model, loaded.dims, path)
-    bos, eos = copy_tokenizer(TOKENIZER_DIR, path)
-    (path / "config.json").write_text(json.dumps(hf_config(loaded.dims, "float32", bos, eos)))
-    return path
+    tokenizer = ["--hf_assets_path", str(TOKENIZER_DIR)]  # the bundled one, as the base's
+    return export_folder(load_from_config(None, bench.FINETUNE, "dense", tokenizer), path)
 
 
 def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):

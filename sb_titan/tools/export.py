@@ -93,6 +93,18 @@ def copy_tokenizer(tokenizer_dir: Path, out: Path) -> tuple[int | None, int | No
     return tok.token_to_id(BOS), tok.token_to_id(EOS)
 
 
+def export_folder(loaded, out: Path, dtype: str = "float32") -> Path:
+    """A loaded model (eval.checkpoint.LoadedModel) -> a complete Hugging Face folder:
+    weights, tokenizer, config.json and generation_config.json."""
+    export_model(loaded.model, loaded.dims, out, dtype)
+    bos, eos = copy_tokenizer(loaded.tokenizer_dir, out)
+    config = hf_config(loaded.dims, dtype, bos, eos)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sb-export", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -107,12 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = load_from_config(args.checkpoint, args.config, attention="dense")
     out = Path(args.out)
-    export_model(loaded.model, loaded.dims, out, args.dtype)
-    bos, eos = copy_tokenizer(loaded.tokenizer_dir, out)
-    config = hf_config(loaded.dims, args.dtype, bos, eos)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    gen = {"bos_token_id": bos, "eos_token_id": eos, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    export_folder(loaded, out, args.dtype)
     n = sum(p.numel() for p in loaded.model.parameters())
     print(f"sb-export: {loaded.source} -> {out} ({n / 1e6:.1f}M parameters, {args.dtype})")
 
