@@ -22,7 +22,13 @@ from torch import Tensor
 
 from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
 from sb_titan.attention.estimator import num_blocks
-from sb_titan.attention.selection import AttnStats, BlockTable, full_block_table, select_blocks
+from sb_titan.attention.selection import (
+    AttnStats,
+    BlockTable,
+    full_block_table,
+    restrict_rows,
+    select_blocks,
+)
 
 OP_BACKENDS = ("torch", "triton")
 
@@ -38,6 +44,7 @@ def _select_blocks_op(
     block_size: int,
     scale: float,
     estimator: str,
+    rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     table, stats = select_blocks(
         q,
@@ -48,12 +55,13 @@ def _select_blocks_op(
         block_size=block_size,
         scale=scale,
         estimator=estimator,
+        rows=rows,
     )
     return (*table[:4], *stats)
 
 
 @_select_blocks_op.register_fake
-def _(q, k, doc_id, budget, policy, block_size, scale, estimator):
+def _(q, k, doc_id, budget, policy, block_size, scale, estimator, rows=None):
     B, Hkv, L, _ = k.shape
     row = q.new_empty(B, dtype=torch.float32)
     return (
@@ -92,32 +100,36 @@ def select(
     block_size: int,
     scale: float,
     estimator: str = "torch",
+    rows: Tensor | None = None,
 ) -> tuple[BlockTable, AttnStats]:
     """`selection.select_blocks` as one graph node (not differentiated)."""
     budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
     if budget.dim() == 0:
         budget = budget.expand(q.shape[0])
     q, k = q.detach(), k.detach()
-    out = _select_blocks_op(q, k, doc_id, budget, policy, block_size, scale, estimator)
+    out = _select_blocks_op(q, k, doc_id, budget, policy, block_size, scale, estimator, rows)
     return BlockTable(*out[:4], block_size), AttnStats(*out[4:])
 
 
 @torch.library.custom_op("sb_titan::full_block_table", mutates_args=())
 def _full_table_op(
-    doc_id: Tensor, num_kv_heads: int, block_size: int
+    doc_id: Tensor, num_kv_heads: int, block_size: int, rows: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return tuple(full_block_table(doc_id, num_kv_heads, block_size)[:4])
+    table = full_block_table(doc_id, num_kv_heads, block_size)
+    return tuple((table if rows is None else restrict_rows(table, rows))[:4])
 
 
 @_full_table_op.register_fake
-def _(doc_id, num_kv_heads, block_size):
+def _(doc_id, num_kv_heads, block_size, rows=None):
     B, L = doc_id.shape
     return _fake_table(doc_id, B, num_kv_heads, num_blocks(L, block_size))
 
 
-def full_table(doc_id: Tensor, num_kv_heads: int, block_size: int) -> BlockTable:
-    """`selection.full_block_table` as one graph node."""
-    return BlockTable(*_full_table_op(doc_id, num_kv_heads, block_size), block_size)
+def full_table(
+    doc_id: Tensor, num_kv_heads: int, block_size: int, rows: Tensor | None = None
+) -> BlockTable:
+    """`selection.full_block_table` as one graph node (`rows`: as in select_blocks)."""
+    return BlockTable(*_full_table_op(doc_id, num_kv_heads, block_size, rows), block_size)
 
 
 # ------------------------------------------------------------------------------ attention

@@ -269,6 +269,7 @@ def select_blocks(
     scale: float | None = None,
     chunk_blocks: int = 256,
     estimator: str = "torch",
+    rows: torch.Tensor | None = None,
 ) -> tuple[BlockTable, AttnStats]:
     """Estimate block mass and keep blocks per (row, kv head, query block) under budget.
 
@@ -276,6 +277,9 @@ def select_blocks(
     budget: [B] (or a scalar) in (0, 1]. Not differentiated (runs under no_grad).
     estimator: "torch" (PyTorch) or "triton" (the kernels: CUDA, or TRITON_INTERPRET=1);
     same masses up to fp32 rounding, so tables differ only at near-ties (docs/kernels.md).
+    rows: [B, NB] bool, the query blocks this caller attends (a context-parallel shard);
+    the others keep only their diagonal block and stay out of the statistics, whose
+    density and token-weighted recall then add up over the shards of a row.
     """
     budget = _validate(q, k, doc_id, budget, policy, block_size)
     if chunk_blocks < 1:
@@ -298,16 +302,42 @@ def select_blocks(
     kv_count = torch.cat(counts, dim=2)
     maxk = max(x.shape[-1] for x in ids)
     padded = torch.cat([torch.nn.functional.pad(x, (0, maxk - x.shape[-1])) for x in ids], 2)
+    kept_mass = torch.cat(masses, dim=2)
+    weight = attending_tokens(doc_id, block_size)  # [B, NB]
+    if rows is not None:
+        kv_count, padded = _diagonal_elsewhere(kv_count, padded, rows)
+        kept_mass = kept_mass * rows[:, None]
+        weight = weight * rows
     kv_ptr, kv_index = padded_to_csr(kv_count, padded)
     del padded
     q_ptr, q_index = transpose_table(kv_ptr, kv_index)
     n_allowed = (torch.arange(nb, device=q.device) - sink + 1).sum(-1) * Hkv  # [B]
-    weight = attending_tokens(doc_id, block_size)  # [B, NB]
     tokens = weight.sum(-1)
-    kept = (torch.cat(masses, dim=2).mean(1) * weight).sum(-1)  # [B]
+    kept = (kept_mass.mean(1) * weight).sum(-1)  # [B]
+    counted = kv_count if rows is None else kv_count * rows[:, None]
     stats = AttnStats(
-        density=(kv_count.sum(dim=(1, 2)) / n_allowed).float(),
+        density=(counted.sum(dim=(1, 2)) / n_allowed).float(),
         recall=torch.where(tokens > 0, kept / tokens.clamp(min=1), 1.0).float(),
         tokens=tokens,
     )
     return BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size), stats
+
+
+def _diagonal_elsewhere(
+    count: torch.Tensor, padded: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """count [B, H, NB], padded ids [B, H, NB, W]: query blocks outside `rows` [B, NB]
+    keep their diagonal block only (the kernels need one pair per block; with a zero
+    query and no output gradient it adds nothing to dK / dV)."""
+    own = rows[:, None, :]
+    diag = torch.arange(count.shape[-1], device=count.device).expand_as(count)
+    padded = torch.where(own[..., None], padded, 0)
+    padded[..., 0] = torch.where(own, padded[..., 0], diag)
+    return torch.where(own, count, 1), padded
+
+
+def restrict_rows(table: BlockTable, rows: torch.Tensor) -> BlockTable:
+    """`table` with the query blocks outside `rows` [B, NB] cut to their diagonal."""
+    count, padded = _diagonal_elsewhere(*table.padded_kv(), rows)
+    kv_ptr, kv_index = padded_to_csr(count, padded)
+    return BlockTable(kv_ptr, kv_index, *transpose_table(kv_ptr, kv_index), table.block_size)
