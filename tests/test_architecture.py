@@ -14,6 +14,7 @@ from conftest import REPO
 LAYERS = [
     ["sb_titan_kernels"],
     ["sb_titan.attention"],
+    ["sb_titan.context_parallel"],
     ["sb_titan.models"],
     ["sb_titan.balance"],
     ["sb_titan.data"],
