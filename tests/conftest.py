@@ -177,3 +177,30 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     step = tmp_path_factory.mktemp("dump") / "checkpoint" / "step-1"
     dcp.save(model.state_dict(), checkpoint_id=str(step))
     return step
+
+
+@pytest.fixture(scope="session")
+def seed_ckpt(tmp_path_factory) -> Path:
+    """One checkpoint every multi-process run starts from, so runs with different
+    parallel layouts (1 process, FSDP, PP, CP) start from the same weights."""
+    dump = tmp_path_factory.mktemp("seed")
+    torchrun(
+        1,
+        ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.steps", "1"],
+        dump,
+    )
+    step0 = dump / "checkpoint" / "step-0"
+    assert step0.is_dir()
+    return step0
+
+
+def from_seed(seed_ckpt: Path, steps: int) -> list[str]:
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1000",
+        "--checkpoint.initial_load_path",
+        str(seed_ckpt),
+        "--training.steps",
+        str(steps),
+    ]

@@ -19,7 +19,7 @@ from sb_titan.runtime.measurements import (
 )
 
 
-def _local(dp: int, pp: int, mbs: list[int], rng: random.Random) -> dict:
+def _local(dp: int, pp: int, mbs: list[int], rng: random.Random, cp: int = 0) -> dict:
     """What SBTrainer._local_measurements returns: timed micro-batches, fp32 stats
     (through .tolist(), as the trainer reads them) for those with rows > 0."""
     stats = torch.rand(len(mbs), 4, dtype=torch.float32) * 1e4
@@ -29,6 +29,7 @@ def _local(dp: int, pp: int, mbs: list[int], rng: random.Random) -> dict:
     return {
         "dp": dp,
         "pp": pp,
+        "cp": cp,
         "seconds": {mb: rng.random() / 7 for mb in mbs},
         "stats": {mb: v for mb, v in zip(mbs, stats.tolist(), strict=True) if v[1] > 0},
         "step_seconds": rng.random() * 3,
@@ -72,9 +73,9 @@ def test_bad_measurements_name_the_problem():
     with pytest.raises(ValueError, match="micro-batch 3: expected 0..2"):
         encode_measurements(_local(0, 0, [3], rng), 3)
     x = encode_measurements(_local(0, 0, [0, 1], rng), 2)
-    with pytest.raises(ValueError, match="36 values, not a multiple of 25"):
+    with pytest.raises(ValueError, match="38 values, not a multiple of 26"):
         decode_measurements(torch.cat([x, x]), 3)
-    x[3] = 3.0  # a rank that sized its buffer for another step shape
+    x[4] = 3.0  # a rank that sized its buffer for another step shape
     with pytest.raises(ValueError, match="rank sent 3 micro-batches per step, expected 2"):
         decode_measurements(x, 2)
 
@@ -101,3 +102,20 @@ def test_training_step_exchanges_no_pickled_objects(tmp_path):
     by_step = {e["plan_step"]: e["cost_model_snapshot"] for e in a}
     assert [by_step[p].split(":")[0] for p in range(5)] == ["-1", "-1", "0", "1", "2"]
     assert len({by_step[p] for p in range(5)}) == 4, by_step
+
+
+def test_context_parallel_ranks_add_up_and_report_their_imbalance():
+    """Two CP ranks of one stage: their density partial sums and half-rows add up to the
+    micro-batch's density; the kept-pair imbalance is max/mean of the partials."""
+    shards = [[0.3, 0.5, 2.0, 10.0], [0.1, 0.5, 1.0, 6.0]]  # density part, rows / 2, ...
+    local = [
+        {"dp": 0, "pp": 0, "cp": r, "seconds": {0: 0.5 + r}, "stats": {0: v}, "step_seconds": 2.0}
+        for r, v in enumerate(shards)
+    ]
+    gathered = decode_measurements(torch.cat([encode_measurements(x, 1) for x in local]), 1)
+    plan = StepPlan(step=0, epoch=0, microbatches=[[MicroBatchPlan(rows=[[]])]])
+    m = StepMeasurements.from_gathered(gathered, plan, [[0.9]])
+    assert m.density[(0, 0)] == pytest.approx(0.4)  # (0.3 + 0.1) / (0.5 + 0.5)
+    assert m.recall[(0, 0)] == (3.0, 16.0)
+    assert m.seconds[(0, 0)] == 1.5  # the slower CP rank
+    assert m.metrics()["balance/cp_kept_imbalance"] == pytest.approx(0.3 / 0.2)

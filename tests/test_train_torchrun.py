@@ -10,40 +10,15 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, REPO, losses, sample_log, scalars, torchrun
+from conftest import DEBUG_TOML, REPO, from_seed, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")
-def seed_ckpt(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("seed")
-    torchrun(
-        1,
-        ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.steps", "1"],
-        dump,
-    )
-    step0 = dump / "checkpoint" / "step-0"
-    assert step0.is_dir()
-    return step0
-
-
-def _from_seed(seed_ckpt: Path, steps: int) -> list[str]:
-    return [
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "1000",
-        "--checkpoint.initial_load_path",
-        str(seed_ckpt),
-        "--training.steps",
-        str(steps),
-    ]
-
-
-@pytest.fixture(scope="module")
 def single(seed_ckpt, tmp_path_factory) -> list[float]:
     dump = tmp_path_factory.mktemp("single")
-    torchrun(1, _from_seed(seed_ckpt, 5), dump)
+    torchrun(1, from_seed(seed_ckpt, 5), dump)
     return losses(dump)
 
 
@@ -53,7 +28,7 @@ def test_single_process_loss_decreases(single):
 
 
 def test_fsdp_two_processes_loss_decreases(seed_ckpt, tmp_path):
-    torchrun(2, _from_seed(seed_ckpt, 5), tmp_path)
+    torchrun(2, from_seed(seed_ckpt, 5), tmp_path)
     loss = losses(tmp_path)
     assert len(loss) == 5 and loss[-1] < loss[0] - 0.1, loss
 
@@ -71,7 +46,7 @@ PP_1F1B = [
 @pytest.fixture(scope="module")
 def pp_plain(seed_ckpt, tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("pp_plain")
-    torchrun(2, [*_from_seed(seed_ckpt, 5), *PP_1F1B], dump)
+    torchrun(2, [*from_seed(seed_ckpt, 5), *PP_1F1B], dump)
     return dump
 
 
@@ -89,7 +64,7 @@ def test_pp_1f1b_chunked_loss_matches_plain_loss(seed_ckpt, pp_plain, tmp_path):
     the gradients that moved the weights were the same."""
     config = tmp_path / "chunked.toml"
     config.write_text(DEBUG_TOML.read_text() + "\n[loss]\nnum_chunks = 4\n")
-    torchrun(2, [*_from_seed(seed_ckpt, 5), *PP_1F1B], tmp_path, config=config)
+    torchrun(2, [*from_seed(seed_ckpt, 5), *PP_1F1B], tmp_path, config=config)
     for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
         plain, chunked = scalars(pp_plain, tag), scalars(tmp_path, tag)
         assert sorted(plain) == sorted(chunked) == [1, 2, 3, 4, 5]

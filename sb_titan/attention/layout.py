@@ -20,6 +20,10 @@ class AttnMeta(NamedTuple):
     """[4] float32 the sparse layers add their AttnStats.totals() into (the trainer makes
     one per micro-batch and reads it after the step): statistics leave the transformer
     block as a tensor, not as a Python side effect."""
+    cp_blocks: torch.Tensor | None = None
+    """Context parallelism: [B, N, NB / N] int64, the query blocks each CP rank owns
+    (context_parallel.split.CPSplit.blocks); doc_id then covers the full row while the
+    model's tokens are this rank's shard."""
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sb_titan.context_parallel.split import check_divisible
+
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
@@ -37,6 +39,8 @@ def step_shape(config: Any, world_size: int) -> StepShape:
             f"parallel degrees ({non_dp})"
         )
     dp = world_size // non_dp
+    if p.context_parallel_degree > 1:
+        check_context_parallel(config)
     per_step = t.local_batch_size * dp
     global_bs = per_step if t.global_batch_size < 0 else t.global_batch_size
     if global_bs < per_step or global_bs % per_step:
@@ -54,3 +58,26 @@ def step_shape(config: Any, world_size: int) -> StepShape:
             )
         return StepShape(t.seq_len, dp, grad_accum * (t.local_batch_size // rows), rows)
     return StepShape(t.seq_len, dp, grad_accum, t.local_batch_size)
+
+
+CP_SPLITS = ("sparse", "headtail")
+"""parallelism.context_parallel_load_balancer under the recipe's CP: `sparse` splits
+each row by predicted sparse cost, `headtail` is the dense zigzag split."""
+
+
+def check_context_parallel(config: Any) -> None:
+    """What the recipe's context parallelism needs of a config (ValueError naming keys)."""
+    p, sa = config.parallelism, config.sparse_attention
+    check_divisible(config.training.seq_len, p.context_parallel_degree, sa.block_size)
+    if p.context_parallel_load_balancer not in CP_SPLITS:
+        raise ValueError(
+            f"parallelism.context_parallel_load_balancer = {p.context_parallel_load_balancer!r}"
+            f": under context parallelism expected one of {CP_SPLITS}"
+        )
+    if sa.backend == "flex":
+        raise ValueError(
+            "sparse_attention.backend = 'flex' does not run under context parallelism "
+            "(use auto, torch or triton)"
+        )
+    if p.tensor_parallel_degree > 1:
+        raise ValueError("context parallelism with tensor parallelism is not supported yet")

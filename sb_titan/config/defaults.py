@@ -33,7 +33,10 @@ def sb_titan_base() -> SBTrainer.Config:
             mixed_precision_param="float32",
             disable_cuda_graphs=True,
         ),
-        parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
+        # under context parallelism: split rows by predicted sparse cost (step_shape.py)
+        parallelism=ParallelismConfig(
+            spmd_backend="partial_dtensor", context_parallel_load_balancer="sparse"
+        ),
         checkpoint=IntegrityCheckpointManager.Config(interval=10, last_save_model_only=False),
         activation_checkpoint=None,
     )

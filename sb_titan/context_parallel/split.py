@@ -68,7 +68,7 @@ def check_divisible(seq_len: int, degree: int, block_size: int) -> None:
     rank for zigzag)."""
     if seq_len % (2 * degree * block_size):
         raise ValueError(
-            f"context parallelism: training.seq_len ({seq_len}) must be a multiple of "
+            f"training.seq_len ({seq_len}) must be a multiple of "
             f"2 x context_parallel_degree x block_size = {2 * degree * block_size}"
         )
 
@@ -164,6 +164,23 @@ def predicted_block_pairs(allowed: np.ndarray, density: DensityFn, block_size: i
         return out
 
     return np.maximum(kept(n) - kept(n - 1), 1.0)  # the diagonal is always computed
+
+
+def layer_block_costs(
+    allowed: np.ndarray,
+    density: DensityFn | None,
+    block_size: int,
+    sparse_layers: int,
+    dense_layers: int,
+) -> np.ndarray:
+    """[B, NB] predicted kept pairs per query block over the model's layers: dense
+    layers keep every allowed block, sparse ones `predicted_block_pairs`."""
+    cost = dense_layers * np.asarray(allowed, dtype=np.float64)
+    if sparse_layers:
+        if density is None:
+            raise ValueError("sparse layers need a density prediction to price their blocks")
+        cost = cost + sparse_layers * predicted_block_pairs(allowed, density, block_size)
+    return cost
 
 
 def imbalance(per_rank: np.ndarray) -> float:

@@ -9,7 +9,7 @@ ones bit for bit and every rank refits identically."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,7 +19,7 @@ from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import sensitive_recall
 from sb_titan.balance.sab import StepPlan
 
-_HEADER = 4  # dp, pp, step_seconds, micro-batches per step
+_HEADER = 5  # dp, pp, cp, step_seconds, micro-batches per step
 _ROW = 7  # timed?, seconds, stats?, density_sum, rows, recall_sum, tokens
 
 
@@ -29,7 +29,7 @@ def measurement_size(microbatches: int) -> int:
 
 
 def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
-    """One rank's measurements ({"dp", "pp", "seconds", "stats", "step_seconds"}) as a
+    """One rank's measurements ({"dp", "pp", "cp", "seconds", "stats", "step_seconds"}) as a
     float64 vector of measurement_size(microbatches). A micro-batch this rank did not time
     or has no stats for is flagged absent (a PP stage or rank sees only some)."""
     rows = [[0.0] * _ROW for _ in range(microbatches)]
@@ -45,7 +45,7 @@ def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
         if len(v) != 4:
             raise ValueError(f"micro-batch {mb} stats: expected 4 values, got {len(v)}")
         row(mb)[2:7] = [1.0, *v]
-    header = [local["dp"], local["pp"], local["step_seconds"], microbatches]
+    header = [local["dp"], local["pp"], local.get("cp", 0), local["step_seconds"], microbatches]
     flat = [float(x) for x in header] + [x for row in rows for x in row]
     return torch.tensor(flat, dtype=torch.float64)
 
@@ -59,7 +59,7 @@ def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]
         raise ValueError(f"gathered measurements: {len(flat)} values, not a multiple of {size}")
     out = []
     for at in range(0, len(flat), size):
-        dp, pp, step_seconds, n = flat[at : at + _HEADER]
+        dp, pp, cp, step_seconds, n = flat[at : at + _HEADER]
         if n != microbatches:
             raise ValueError(f"rank sent {n:g} micro-batches per step, expected {microbatches}")
         rows = [flat[i : i + _ROW] for i in range(at + _HEADER, at + size, _ROW)]
@@ -67,6 +67,7 @@ def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]
             {
                 "dp": int(dp),
                 "pp": int(pp),
+                "cp": int(cp),
                 "seconds": {mb: r[1] for mb, r in enumerate(rows) if r[0]},
                 "stats": {mb: r[3:7] for mb, r in enumerate(rows) if r[2]},
                 "step_seconds": step_seconds,
@@ -86,26 +87,36 @@ class StepMeasurements:
     recall: dict[tuple[int, int], tuple[float, float]]  # (token-weighted sum, tokens)
     budgets: list[list[float]]
     pp_degree: int = 1
+    cp_kept: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    """(dp, mb) -> each CP rank's share of the micro-batch's kept block pairs (its
+    density partial sums: the same denominator on every CP rank of a row)."""
 
     @classmethod
     def from_gathered(cls, gathered: list[dict], plan: StepPlan, budgets) -> StepMeasurements:
         seconds: dict[tuple[int, int], float] = {}
         rank_compute: dict[tuple[int, int], float] = {}
         sums: dict[tuple[int, int], list[float]] = {}
-        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"])):
-            rank_compute[(g["dp"], g["pp"])] = sum(g["seconds"].values())
+        cp_kept: dict[tuple[int, int], dict[int, float]] = {}
+        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g.get("cp", 0))):
+            stage = (g["dp"], g["pp"])  # CP ranks of a stage wait for each other: max
+            rank_compute[stage] = max(rank_compute.get(stage, 0.0), sum(g["seconds"].values()))
             for mb, s in g["seconds"].items():
                 key = (g["dp"], int(mb))
                 seconds[key] = max(seconds.get(key, 0.0), s)
             for mb, values in g["stats"].items():  # [density_sum, rows, recall_sum, tokens]
-                acc = sums.setdefault((g["dp"], int(mb)), [0.0, 0.0, 0.0, 0.0])
+                key = (g["dp"], int(mb))
+                acc = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
                 for i, v in enumerate(values):
                     acc[i] += v
-        density = {k: v[0] / v[1] for k, v in sums.items() if v[1] > 0}
+                per_cp = cp_kept.setdefault(key, {})
+                per_cp[g.get("cp", 0)] = per_cp.get(g.get("cp", 0), 0.0) + values[0]
+        # CP shards' fp32 partial densities can sum past 1 by rounding
+        density = {k: min(1.0, v[0] / v[1]) for k, v in sums.items() if v[1] > 0}
         recall = {k: (v[2], v[3]) for k, v in sums.items() if v[1] > 0}
         step = max(g["step_seconds"] for g in gathered)
         pp = 1 + max(g["pp"] for g in gathered)
-        return cls(seconds, rank_compute, step, density, recall, budgets, pp)
+        kept = {k: [v[r] for r in sorted(v)] for k, v in cp_kept.items() if len(v) > 1}
+        return cls(seconds, rank_compute, step, density, recall, budgets, pp, kept)
 
     def observations(self, plan: StepPlan) -> list[LatencyObservation]:
         out = []
@@ -189,6 +200,11 @@ class StepMeasurements:
             out["balance/microbatch_max_s"] = float(mb_times.max())
             out["balance/microbatch_mean_s"] = float(mb_times.mean())
             out["balance/ideal_step_s"] = self.step_seconds - self._excess_over_balanced()
+        if self.cp_kept:  # what each CP rank computed, from the real selection tables
+            ratios = [max(v) / np.mean(v) for v in self.cp_kept.values() if np.mean(v) > 0]
+            if ratios:
+                out["balance/cp_kept_imbalance"] = float(np.mean(ratios))
+                out["balance/cp_kept_imbalance_max"] = float(np.max(ratios))
         if self.density:
             out["sparsity/density"] = float(np.mean(list(self.density.values())))
             # Over attending tokens of the whole step (padding excluded), so a padded

@@ -56,6 +56,7 @@ from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.context import RunContext
+from sb_titan.runtime.cp_split import cp_split
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
     StepMeasurements,
@@ -154,15 +155,24 @@ class SBTrainer(Trainer):
         budget = self._budgets[self._dp_rank()][mb_index]
         if self.config.dataloader.sample_log:
             self._log_samples(plan, mb_index, budget)
-        inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
+        if self.parallel_dims.cp_enabled:  # the recipe's own sharding, not TorchTitan's
+            inputs = input_dict["input"]
+            extra = {k: v for k, v in input_dict.items() if k != "input"}
+        else:
+            inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
+        doc_id = doc_ids_from_positions(positions)  # of the full row, before any sharding
+        row_budget = torch.full((positions.shape[0],), budget, device=positions.device)
+        cp_blocks = None
+        if self.parallel_dims.cp_enabled:
+            split = cp_split(self.config, self.cost_model, doc_id, budget)
+            shard = split.token_index(self._cp_rank()).to(positions.device)
+            inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
+            extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
+            self.ntokens_seen += labels.numel()
         stats = self._mb_stats[mb_index] = positions.new_zeros(4, dtype=torch.float32)
-        extra["attention_masks"] = AttnMeta(
-            doc_id=doc_ids_from_positions(positions),
-            budget=torch.full((positions.shape[0],), budget, device=positions.device),
-            microbatch=torch.tensor(mb_index),
-            stats=stats,
-        )
+        mb = torch.tensor(mb_index)
+        extra["attention_masks"] = AttnMeta(doc_id, row_budget, mb, stats, cp_blocks)
         return inputs, labels, extra
 
     def _take_step(self, scheduled: ScheduledStep) -> None:
@@ -191,14 +201,16 @@ class SBTrainer(Trainer):
         _assert_same_everywhere(f"{_plan_digest(plan)}/{digest}", what)
 
     def _dp_rank(self) -> int:
-        if not self.parallel_dims.dp_enabled:
-            return 0
-        return self.parallel_dims.get_mesh("batch").get_local_rank()
+        return self._mesh_rank("batch", self.parallel_dims.dp_enabled)
+
+    def _cp_rank(self) -> int:
+        return self._mesh_rank("cp", self.parallel_dims.cp_enabled)
 
     def _pp_rank(self) -> int:
-        if not self.parallel_dims.pp_enabled:
-            return 0
-        return self.parallel_dims.get_mesh("pp").get_local_rank()
+        return self._mesh_rank("pp", self.parallel_dims.pp_enabled)
+
+    def _mesh_rank(self, dim: str, enabled: bool) -> int:
+        return self.parallel_dims.get_mesh(dim).get_local_rank() if enabled else 0
 
     # -- measurement ---------------------------------------------------------------------------
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens):
@@ -230,6 +242,7 @@ class SBTrainer(Trainer):
         return {
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
+            "cp": self._cp_rank(),
             "seconds": seconds,
             "stats": stats,
             "step_seconds": step_seconds,

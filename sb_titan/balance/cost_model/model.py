@@ -246,9 +246,17 @@ class CostModel:
 
     def density_for_budget(self, beta: float, length: int, policy: str) -> float:
         """Realised density of a document of `length` tokens at budget beta."""
+        return float(self.densities(beta, np.array([length]), policy)[0])
+
+    def densities(self, beta: float, lengths: np.ndarray, policy: str) -> np.ndarray:
+        """Realised density of documents of `lengths` tokens at budget beta."""
         check_policy(policy)
-        batch = self._batch([[[length]]])
-        return float(self._rho(batch, np.array([float(beta)]), policy)[0])
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if policy == "topk":
+            rho = np.full(lengths.shape, float(beta))
+        else:
+            rho = self.density_model.predict(float(beta), lengths)
+        return np.minimum(1.0, np.maximum(rho, forced_density(lengths, self.block_size)))
 
     def predict_units(
         self, units: Sequence[Unit], beta: float | Sequence[float], policy: str

@@ -263,7 +263,7 @@ def _norm(dim: int, eps: float) -> RMSNorm.Config:
     return RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_NORM_INIT)
 
 
-def _dense_layer_set(dense_layers: list[int], n_layers: int) -> set[int]:
+def dense_layer_set(dense_layers: list[int], n_layers: int) -> set[int]:
     out = set()
     for i in dense_layers:
         j = i + n_layers if i < 0 else i
@@ -277,7 +277,7 @@ def _dense_layer_set(dense_layers: list[int], n_layers: int) -> set[int]:
 
 
 def build_qwen2_5_config(d: Qwen25Dims, attention: SparseAttentionConfig) -> Qwen3Model.Config:
-    dense = _dense_layer_set(attention.dense_layers, d.n_layers) if attention.enabled else set()
+    dense = dense_layer_set(attention.dense_layers, d.n_layers) if attention.enabled else set()
     rope = CosSinRoPE.Config(dim=d.head_dim, max_seq_len=d.max_seq_len, theta=d.rope_theta)
     layers = []
     for i in range(d.n_layers):

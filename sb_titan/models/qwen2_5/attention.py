@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torchtitan.protocols.module import Module
@@ -17,8 +18,10 @@ from torchtitan.protocols.module import Module
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import POLICIES, Policy
-from sb_titan.attention.sparse import BACKENDS, Backend, sparse_attention
+from sb_titan.attention.sparse import BACKENDS, Backend, resolve_backend, sparse_attention
 from sb_titan.compat.autograd import in_backward_recompute
+from sb_titan.context_parallel.attention import cp_attention
+from sb_titan.context_parallel.split import CPSplit
 
 
 @dataclass(kw_only=True, slots=True)
@@ -66,6 +69,8 @@ class SBAttention(Module):
         super().__init__()
         self.config = config
         self.recorder: Callable[[SBAttention, AttnMeta, str], None] | None = None
+        self.cp: CPGroup | None = None
+        """This rank's CP group, set by parallelization when context parallelism is on."""
 
     def forward(
         self,
@@ -86,7 +91,9 @@ class SBAttention(Module):
         q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
         if self.recorder is not None:
             self.recorder(self, meta, "forward")
-        if self.config.sparse:
+        if meta.cp_blocks is not None:
+            out = self._context_parallel(q, k, v, meta, scale)
+        elif self.config.sparse:
             out, stats = sparse_attention(
                 q,
                 k,
@@ -98,16 +105,44 @@ class SBAttention(Module):
                 scale=scale,
                 backend=self.config.backend,
             )
-            # Activation recomputation repeats the forward inside backward: count once.
-            # Compiled, the recompute lives in the backward graph, which never replays
-            # the forward's input mutations.
-            if meta.stats is not None and (
-                torch.compiler.is_compiling() or not in_backward_recompute()
-            ):
-                meta.stats.add_(stats.totals())
+            _add_stats(meta, stats.totals())
         else:
             out = dense_document_attention(q, k, v, meta.doc_id, scale)
         if self.recorder is not None and out.requires_grad:
             recorder = self.recorder
             out.register_hook(lambda grad: recorder(self, meta, "backward"))
         return out.transpose(1, 2)
+
+    def _context_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, scale
+    ) -> torch.Tensor:
+        """This CP rank's query blocks against the row's keys (context_parallel/)."""
+        if self.cp is None:
+            raise RuntimeError("AttnMeta carries a CP split but this model has no CP group")
+        backend = resolve_backend(self.config.backend, q.device.type)
+        if backend == "flex":
+            raise ValueError("sparse_attention.backend = 'flex' does not run under CP")
+        split = CPSplit(meta.cp_blocks, self.config.block_size)
+        out, stats = cp_attention(
+            q, k, v, meta.doc_id, split, self.cp.rank, self.cp.group_name,
+            budget=meta.budget if self.config.sparse else None,
+            policy=self.config.policy, scale=scale, backend=backend,
+            estimator="triton" if backend == "triton" else "torch",
+        )  # fmt: skip
+        if stats is not None:  # a shard's density and recall sums; its share of the rows
+            totals = stats.totals()
+            _add_stats(meta, torch.cat([totals[:1], totals[1:2] / split.degree, totals[2:]]))
+        return out
+
+
+class CPGroup(NamedTuple):
+    rank: int
+    group_name: str
+
+
+def _add_stats(meta: AttnMeta, totals: torch.Tensor) -> None:
+    # Activation recomputation repeats the forward inside backward: count once.
+    # Compiled, the recompute lives in the backward graph, which never replays
+    # the forward's input mutations.
+    if meta.stats is not None and (torch.compiler.is_compiling() or not in_backward_recompute()):
+        meta.stats.add_(totals)

@@ -1,0 +1,43 @@
+"""The CP split of a micro-batch's rows, decided where its budget is known."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from sb_titan.balance.cost_model import CostModel
+from sb_titan.context_parallel.split import (
+    CPSplit,
+    allowed_blocks,
+    balanced_split,
+    layer_block_costs,
+    zigzag_split,
+)
+from sb_titan.models.qwen2_5 import dense_layer_set, model_dims
+
+
+def cp_split(
+    config: Any, cost_model: CostModel | None, doc_id: torch.Tensor, budget: float
+) -> CPSplit:
+    """Which query blocks of each row every CP rank owns, from the rows' document layout
+    (doc_id [B, L] of the full rows) and the micro-batch's budget. The cost model is
+    refit identically on every rank, so all CP ranks (and all PP stages, which must
+    pass the same shards along) cut the same split."""
+    sa = config.sparse_attention
+    cp = config.parallelism.context_parallel_degree
+    if config.parallelism.context_parallel_load_balancer == "headtail":
+        return zigzag_split(doc_id.shape[0], doc_id.shape[1], cp, sa.block_size)
+    n_layers = model_dims(config).n_layers
+    dense = len(dense_layer_set(sa.dense_layers, n_layers)) if sa.enabled else n_layers
+    density = None
+    if n_layers > dense:
+        if cost_model is not None:
+            density = functools.partial(cost_model.densities, budget, policy=sa.policy)
+        else:  # no cost model: price sparse blocks as dense ones (causal work)
+            density = functools.partial(np.full_like, fill_value=1.0)
+    allowed = allowed_blocks(doc_id, sa.block_size)
+    cost = layer_block_costs(allowed, density, sa.block_size, n_layers - dense, dense)
+    return balanced_split(cost, cp, sa.block_size)

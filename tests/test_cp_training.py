@@ -1,0 +1,82 @@
+"""Training under context parallelism with real torchrun processes (CPU, gloo): a CP
+run computes the very loss and gradients of the same run without CP, composes with DP
+and PP, and resumes bit for bit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import REPO, from_seed, losses, sample_log, scalars, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+# Sparse layers at a budget that drops blocks: 1024-token rows are 16 blocks.
+SPARSE = [
+    "--training.seq_len", "1024",
+    "--dst.beta0", "0.5",
+    "--sparse_attention.policy", "mass",
+    "--cost_model.analytic_device", "cpu",
+]  # fmt: skip
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+PP2 = [
+    "--parallelism.pipeline_parallel_degree", "2",
+    "--parallelism.pipeline_parallel_schedule", "1F1B",
+    "--parallelism.pipeline_parallel_microbatch_size", "1",
+]  # fmt: skip
+
+
+def _same_run(a, b, tol: float = 1e-5) -> None:
+    """Losses and gradient norms of every step agree within `tol` (relative)."""
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        x, y = scalars(a, tag), scalars(b, tag)
+        assert sorted(x) == sorted(y) and x, (tag, x, y)
+        for step in x:
+            assert abs(x[step] - y[step]) <= tol * abs(x[step]), (tag, step, x[step], y[step])
+
+
+def test_cp2_trains_exactly_like_one_process(seed_ckpt, tmp_path):
+    """3 steps of the sparse recipe: CP = 2 (the cost-balanced split; zigzag's attention
+    is checked in test_context_parallel.py) gives the CP = 1 losses and gradient norms
+    within 1e-5."""
+    args = [*from_seed(seed_ckpt, 3), *SPARSE]
+    torchrun(1, args, tmp_path / "cp1")
+    torchrun(2, [*args, *CP2], tmp_path / "cp2")
+    _same_run(tmp_path / "cp1", tmp_path / "cp2")
+    density = scalars(tmp_path / "cp2", "sparsity/density")
+    assert density and max(density.values()) < 1.0  # blocks were really dropped
+    kept = scalars(tmp_path / "cp2", "balance/cp_kept_imbalance")
+    assert kept and all(v >= 1.0 for v in kept.values())
+
+
+@pytest.mark.parametrize("layout", ["dp", "pp"])
+def test_cp2_composes_with_dp_and_pp(seed_ckpt, tmp_path, layout):
+    """DP = 2 x CP = 2 and PP = 2 x CP = 2 on 4 processes train as DP = 2 / PP = 2 do."""
+    args = [*from_seed(seed_ckpt, 2), *SPARSE, "--dataloader.sample_log"]
+    if layout == "pp":
+        args += [*PP2, "--training.local_batch_size", "2"]
+    torchrun(2, args, tmp_path / "plain", timeout=600)
+    torchrun(4, [*args, *CP2], tmp_path / "cp", timeout=600)
+    _same_run(tmp_path / "plain", tmp_path / "cp")
+    if layout == "dp":
+        assert sample_log(tmp_path / "plain") == sample_log(tmp_path / "cp")
+
+
+def test_cp2_resume_is_bit_exact(seed_ckpt, tmp_path):
+    """SAB + DST with the refit cost model (on a deterministic clock) deciding the
+    splits: 4 straight steps equal 2 steps, a checkpoint, and 2 resumed steps."""
+    common = [
+        *SPARSE, *CP2,
+        "--checkpoint.enable", "--checkpoint.interval", "2",
+        "--checkpoint.initial_load_path", str(seed_ckpt),
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
+        "--sab.policy", "sab", "--dst.enabled", "--dataloader.sample_log",
+    ]  # fmt: skip
+    clock = REPO / "tests" / "fixtures" / "deterministic_clock"
+    env = {"PYTHONPATH": os.pathsep.join([str(clock), os.environ.get("PYTHONPATH", "")])}
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    torchrun(2, [*common, "--training.steps", "4"], straight, env=env)
+    torchrun(2, [*common, "--training.steps", "2"], resumed, env=env)
+    torchrun(2, [*common, "--training.steps", "4"], resumed, env=env)
+    assert losses(straight) == losses(resumed) and len(losses(straight)) == 4
+    assert sample_log(straight) == sample_log(resumed)
