@@ -78,3 +78,29 @@ def test_sb_simulate_with_a_config_counts_gradient_accumulation():
     assert (cluster.dp, cluster.pp, cluster.microbatches, cluster.rows) == (2, 1, 2, 1)
     args = _parser().parse_args(["--config", str(E2E), "--dp", "1"])
     assert _resolve(args)[0].microbatches == 4
+
+
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (
+            ["--training.seq_len", "1000"],
+            "training.seq_len (1000) must be a multiple of 2 x context_parallel_degree x block_size = 256",
+        ),
+        (["--parallelism.context_parallel_load_balancer", "ptrr"], "'ptrr': under context"),
+        (["--sparse_attention.backend", "flex"], "'flex' does not run under context"),
+        (["--parallelism.tensor_parallel_degree", "2"], "with tensor parallelism"),
+    ],
+)
+def test_context_parallel_refuses_what_it_cannot_run(overrides, needle):
+    """One line naming the key, before any rank spawns (preflight calls step_shape)."""
+    config = load_config(DEBUG, [*CP2, *overrides])
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        step_shape(config, 4)
+
+
+def test_context_parallel_divides_the_world_like_torchtitan():
+    assert step_shape(load_config(DEBUG, CP2), 4) == StepShape(1024, 2, 1, 2)

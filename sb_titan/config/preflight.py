@@ -23,7 +23,7 @@ from sb_titan.data.source import check_tokenizer, check_vocabulary
 
 def preflight(config: Any, path: str | Path | None) -> None:
     """Raise ConfigError, naming the config file, on the first problem found."""
-    from sb_titan.balance.step_shape import step_shape
+    from sb_titan.balance.step_shape import check_context_parallel, step_shape
     from sb_titan.data.loader import build_source
     from sb_titan.runtime.checkpoint import check_checkpoint_folder
     from sb_titan.runtime.trainer import build_run_cost_model
@@ -33,6 +33,8 @@ def preflight(config: Any, path: str | Path | None) -> None:
         world = os.environ.get("WORLD_SIZE")
         if world is not None:
             step_shape(config, int(world))
+        if config.parallelism.context_parallel_degree > 1:
+            check_context_parallel(config)
         build_run_cost_model(config)
         check_assets(config.hf_assets_path)
         source = build_source(config.dataloader, config.training.seq_len)
