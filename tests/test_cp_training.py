@@ -45,8 +45,9 @@ def test_cp2_trains_exactly_like_one_process(seed_ckpt, tmp_path):
     _same_run(tmp_path / "cp1", tmp_path / "cp2")
     density = scalars(tmp_path / "cp2", "sparsity/density")
     assert density and max(density.values()) < 1.0  # blocks were really dropped
-    kept = scalars(tmp_path / "cp2", "balance/cp_kept_imbalance")
-    assert kept and all(v >= 1.0 for v in kept.values())
+    for what in ("kept", "predicted"):  # CP-rank imbalance: computed and as priced
+        ratio = scalars(tmp_path / "cp2", f"balance/cp_{what}_imbalance")
+        assert sorted(ratio) == [1, 2, 3] and all(1.0 <= v < 2.0 for v in ratio.values())
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp"])

@@ -88,7 +88,7 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
     [
         (
             ["--training.seq_len", "1000"],
-            "training.seq_len (1000) must be a multiple of 2 x context_parallel_degree x block_size = 256",
+            "training.seq_len (1000) must be a multiple of 2 x context_parallel_degree",
         ),
         (["--parallelism.context_parallel_load_balancer", "ptrr"], "'ptrr': under context"),
         (["--sparse_attention.backend", "flex"], "'flex' does not run under context"),

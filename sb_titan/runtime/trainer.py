@@ -66,6 +66,7 @@ from sb_titan.runtime.measurements import (
 )
 from sb_titan.runtime.schedule import with_microbatch_schedules
 from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
+from sb_titan.runtime.verify import assert_same_everywhere, plan_digest
 from sb_titan.util.repeats import Repeats
 
 
@@ -120,6 +121,7 @@ class SBTrainer(Trainer):
         self._decision: DSTDecision | None = None
         self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
+        self._cp_predicted: dict[int, float] = {}  # micro-batch -> predicted CP imbalance
         self._run = RunContext()
         self._repeats = Repeats()  # warnings that recur every step, rate-limited
         self.cost_model = build_run_cost_model(config)
@@ -165,7 +167,9 @@ class SBTrainer(Trainer):
         row_budget = torch.full((positions.shape[0],), budget, device=positions.device)
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
-            split = cp_split(self.config, self.cost_model, doc_id, budget)
+            split, self._cp_predicted[mb_index] = cp_split(
+                self.config, self.cost_model, doc_id, budget
+            )
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
             extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
@@ -198,7 +202,7 @@ class SBTrainer(Trainer):
             )
         digest = hashlib.sha1(repr(scheduled.budgets).encode()).hexdigest()
         what = f"plan and budgets of step {plan.step}"
-        _assert_same_everywhere(f"{_plan_digest(plan)}/{digest}", what)
+        assert_same_everywhere(f"{plan_digest(plan)}/{digest}", what)
 
     def _dp_rank(self) -> int:
         return self._mesh_rank("batch", self.parallel_dims.dp_enabled)
@@ -228,7 +232,7 @@ class SBTrainer(Trainer):
             self._start_logs(self.step)
         elastic.maybe_inject_fault(self.step)
         self._clock.reset()
-        self._mb_stats = {}
+        self._mb_stats, self._cp_predicted = {}, {}
         t0 = _now(self.device)
         super().train_step(data_iterator)  # TorchTitan's step line waits for finish_step
         self.metrics_processor.finish_step(self.step, self._after_step(_now(self.device) - t0))
@@ -298,6 +302,9 @@ class SBTrainer(Trainer):
 
     def _recipe_metrics(self, m: StepMeasurements, predicted) -> dict[str, Any]:
         metrics = m.metrics()
+        if self._cp_predicted:  # this DP rank's micro-batches, as the split priced them
+            cp_predicted = np.mean(list(self._cp_predicted.values()))
+            metrics["balance/cp_predicted_imbalance"] = float(cp_predicted)
         plan = self._step_plan
         real = sum(mb.num_tokens for rank in plan.microbatches for mb in rank)
         slots = sum(len(mb.rows) for rank in plan.microbatches for mb in rank)
@@ -362,7 +369,7 @@ class SBTrainer(Trainer):
             "budget": budget,
             "step_budgets": self._budgets,
             "cost_model_snapshot": self._snapshot,
-            "plan_digest": _plan_digest(plan),
+            "plan_digest": plan_digest(plan),
             "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
         }
         with open(self._rank_file("samples"), "a") as f:
@@ -470,25 +477,6 @@ def _as_torchtitan_builds(config: SBTrainer.Config, planning: StepPlanning) -> I
         yield tensorboard
     finally:
         config.dataloader, config.metrics.enable_tensorboard = loader, tensorboard
-
-
-def _plan_digest(plan: StepPlan) -> str:
-    """Hash of the whole global plan (every rank's pieces), to compare across ranks."""
-    pieces = [
-        (r, m, i, p.sample_id, p.start, p.length)
-        for r, rank in enumerate(plan.microbatches)
-        for m, mb in enumerate(rank)
-        for i, row in enumerate(mb.rows)
-        for p in row
-    ]
-    return hashlib.sha1(repr((plan.step, pieces)).encode()).hexdigest()
-
-
-def _assert_same_everywhere(digest: str, what: str) -> None:
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, digest)
-    if len(set(digests)) != 1:
-        raise RuntimeError(f"ranks disagree on {what}: {digests}")
 
 
 def _now(device: torch.device) -> float:
