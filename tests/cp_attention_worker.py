@@ -82,9 +82,16 @@ def main(out_dir: str) -> None:
                     t.gather(2, at.expand(B, t.shape[1], idx.shape[1], D)).requires_grad_()
                     for t in (q, k, v)
                 ]
-                out, stats = cp_attention(
-                    *shard, doc_id, split, rank, group, budget=budget, policy="mass"
-                )
+                saved = []  # what autograd keeps for backward: a shard, not a full row
+
+                def keep(t, saved=saved):
+                    saved.append(tuple(t.shape))
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                    out, stats = cp_attention(
+                        *shard, doc_id, split, rank, group, budget=budget, policy="mass"
+                    )
                 out.backward(grad.gather(2, at.expand(B, HQ, idx.shape[1], D)))
                 got = [out.detach(), *(t.grad for t in shard)]
                 errs = {
@@ -93,6 +100,7 @@ def main(out_dir: str) -> None:
                 }
                 key = f"{name}/{'dense' if budget is None else 'sparse'}/{split_name}"
                 results[key] = errs
+                errs["row_sized_queries_saved"] = sum(shape[1:3] == (HQ, L) for shape in saved)
                 if stats is not None:
                     totals = stats.totals()
                     dist.all_reduce(totals)

@@ -40,6 +40,7 @@ def test_cp_attention_matches_single_process(degree, tmp_path):
         for case, errs in results.items():
             for what in ("out", "dq", "dk", "dv"):
                 assert errs[what] <= 1e-5, (rank, case, what, errs[what])
+            assert errs["row_sized_queries_saved"] == 0, (rank, case)  # memory: a shard
             if "density" in errs:
                 got, want = errs["density"]
                 assert got == pytest.approx(want, rel=1e-6), (rank, case)

@@ -244,3 +244,28 @@ def block_sparse_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, _ = _attention_op(q, k, v, doc_id, *table[:4], table.block_size, scale, backend)
     return out
+
+
+def attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, doc_id: Tensor, table: BlockTable, scale: float, backend: str
+) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the forward op, for callers that do their own autograd (CP)."""
+    return _attention_op(q, k, v, doc_id, *table[:4], table.block_size, scale, backend)
+
+
+def attention_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    doc_id: Tensor,
+    table: BlockTable,
+    scale: float,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of the backward op, for callers that do their own autograd (CP)."""
+    return _attention_backward_op(
+        grad_out, q, k, v, out, lse, doc_id, *table[:4], table.block_size, scale, backend
+    )

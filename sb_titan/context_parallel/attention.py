@@ -9,8 +9,9 @@ GPU, so a CP run attends the very pairs a single-process run does.
 The local queries are placed at their row positions in an otherwise-zero query tensor,
 and the table keeps only the diagonal of the other ranks' blocks: the single-GPU
 kernels run unchanged on it, and a zero query with no output gradient adds nothing to
-dK / dV. That costs one diagonal pair per foreign block and a full-row query buffer
-(docs/context_parallel.md).
+dK / dV. That costs one diagonal pair per foreign block; the full-row query, output and
+log-sum-exp buffers live only inside forward and backward, so what a layer keeps for
+backward is its own shard plus the gathered K/V (docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sb_titan.attention.ops import block_sparse_attention, full_table, select
-from sb_titan.attention.selection import AttnStats
+from sb_titan.attention.ops import attention_backward, attention_forward, full_table, select
+from sb_titan.attention.selection import AttnStats, BlockTable
 from sb_titan.context_parallel.collectives import all_gather
 from sb_titan.context_parallel.split import CPSplit
 
@@ -53,16 +54,55 @@ def cp_attention(
     kv = kv.gather(3, order[None, :, None, :, None].expand(2, B, k.shape[1], L, D))
     k_row, v_row = kv.unbind(0)
     local = split.token_index(rank).to(q.device)  # [B, Lr]: shard token -> row position
-    at = local[:, None, :, None].expand(B, Hq, Lr, D)
-    q_row = q.new_zeros(B, Hq, L, D).scatter(2, at, q)
     rows = torch.zeros(B, L // bs, dtype=torch.bool, device=q.device)
     rows.scatter_(1, split.local(rank).to(q.device), True)
     if budget is None:
         table, stats = full_table(doc_id, k.shape[1], bs, rows), None
     else:
+        q_row = _to_row(q.detach(), local, L)
         table, stats = select(
             q_row, k_row, doc_id, budget, policy=policy, block_size=bs, scale=scale,
             estimator=estimator, rows=rows,
         )  # fmt: skip
-    out = block_sparse_attention(q_row, k_row, v_row, doc_id, table, scale, backend)
-    return out.gather(2, at), stats
+        del q_row
+    out = _LocalQueries.apply(q, k_row, v_row, doc_id, local, table, scale, backend)
+    return out, stats
+
+
+def _to_row(x: Tensor, local: Tensor, length: int) -> Tensor:
+    """x [B, H, Lr, ...] of a shard -> [B, H, length, ...] at its row positions, 0 elsewhere."""
+    at = local.view(*local.shape[:1], 1, local.shape[1], *[1] * (x.dim() - 3))
+    at = at.expand(*x.shape)
+    return x.new_zeros(*x.shape[:2], length, *x.shape[3:]).scatter_(2, at, x)
+
+
+def _from_row(x: Tensor, local: Tensor) -> Tensor:
+    """The shard's positions `local` [B, Lr] of x [B, H, L, ...]."""
+    at = local.view(*local.shape[:1], 1, local.shape[1], *[1] * (x.dim() - 3))
+    return x.gather(2, at.expand(*x.shape[:2], local.shape[1], *x.shape[3:]))
+
+
+class _LocalQueries(torch.autograd.Function):
+    """Block-sparse attention of a shard's queries against full-row K/V. Only the shard's
+    q, out and lse are saved; the row-sized buffers are rebuilt in backward (rows of
+    other ranks: zero query, output and gradient, lse 0, so they add nothing)."""
+
+    @staticmethod
+    def forward(ctx, q, k_row, v_row, doc_id, local, table: BlockTable, scale, backend):
+        q_row = _to_row(q, local, k_row.shape[2])
+        out, lse = attention_forward(q_row, k_row, v_row, doc_id, table, scale, backend)
+        out, lse = _from_row(out, local), _from_row(lse, local)
+        ctx.save_for_backward(q, k_row, v_row, out, lse, doc_id, local, *table[:4])
+        ctx.block_size, ctx.scale, ctx.backend = table.block_size, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_row, v_row, out, lse, doc_id, local, *csr = ctx.saved_tensors
+        L = k_row.shape[2]
+        row = [_to_row(t, local, L) for t in (grad, q, out, lse)]
+        table = BlockTable(*csr, ctx.block_size)
+        dq, dk, dv = attention_backward(
+            row[0], row[1], k_row, v_row, row[2], row[3], doc_id, table, ctx.scale, ctx.backend
+        )
+        return _from_row(dq, local), dk, dv, None, None, None, None, None
