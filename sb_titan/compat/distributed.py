@@ -1,5 +1,6 @@
 """torch.distributed gaps: `set_timeout` (newer than torch 2.13) and gloo's missing
-PREMUL_SUM, which FSDP uses for a gradient divide factor of 1.0."""
+PREMUL_SUM, which FSDP uses for a gradient divide factor of 1.0; and the private
+functional collectives context parallelism runs on."""
 
 from __future__ import annotations
 
@@ -28,3 +29,30 @@ def force_sum_reduction_on_gloo(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def all_gather_single(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Functional all-gather along `dim` (torch's private functional collectives: the
+    ones that trace, and run on gloo and NCCL alike)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return _wait(funcol.all_gather_single(x, dim, group_name))
+
+
+def reduce_scatter_single(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Functional sum-reduce-scatter along `dim` (see all_gather_single)."""
+    import torch.distributed._functional_collectives as funcol
+
+    return _wait(funcol.reduce_scatter_single(x, "sum", dim, group_name))
+
+
+def group_size(group_name: str) -> int:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_group_size_by_name(group_name)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as funcol
+
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t

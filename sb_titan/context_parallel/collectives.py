@@ -6,36 +6,32 @@ pair traceable (one graph node each way), as the attention ops are."""
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-from torch.distributed import distributed_c10d as c10d
 
-
-def _wait(t: Tensor) -> Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+from sb_titan.compat.distributed import all_gather_single, group_size, reduce_scatter_single
 
 
 @torch.library.custom_op("sb_titan::cp_all_gather", mutates_args=())
 def _all_gather(x: Tensor, dim: int, group_name: str) -> Tensor:
-    return _wait(funcol.all_gather_single(x.contiguous(), dim, group_name)).contiguous()
+    return all_gather_single(x.contiguous(), dim, group_name).contiguous()
 
 
 @_all_gather.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim] *= c10d._get_group_size_by_name(group_name)
+    shape[dim] *= group_size(group_name)
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("sb_titan::cp_reduce_scatter", mutates_args=())
 def _reduce_scatter(x: Tensor, dim: int, group_name: str) -> Tensor:
-    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group_name)).contiguous()
+    return reduce_scatter_single(x.contiguous(), dim, group_name).contiguous()
 
 
 @_reduce_scatter.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim] //= c10d._get_group_size_by_name(group_name)
+    shape[dim] //= group_size(group_name)
     return x.new_empty(shape)
 
 
