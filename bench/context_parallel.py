@@ -19,9 +19,10 @@ Setup (fixed, printed and written to bench/results/context_parallel.json):
   - `synthetic`: per layer and kv head, block-constant q/k whose pooled scores are
     alpha * hot[j] + gamma * cos(omega (i - j)) + noise: a few "hot" key blocks per
     document (each block with probability p, plus the document's first block), a
-    local window, and noise. Parameters drawn per (layer, head): alpha in [4, 7],
-    p log-uniform in [0.5%, 5%], gamma in [1, 4], omega = 2 pi / 64 blocks. This is
-    real sparsity: density falls with document length, differently per head and layer.
+    local window, and noise. The model's parameters, fixed per (layer, head): alpha in
+    [4, 7], p log-uniform in [0.5%, 5%], gamma in [1, 4], omega = 2 pi / 64 blocks;
+    the hot positions and the noise are drawn per row. This is real sparsity: density
+    falls with document length, differently per head and layer.
   - `dense`: every allowed pair (the trainer's dense layers, e.g. layer 0).
 * Predicted cost per query block, learned online from *other* rows (fit rows: shorter,
   another seed; never the rows scored), two predictors:
@@ -154,10 +155,13 @@ def model_qk(flavor: str, doc_id: torch.Tensor, seed: int):
 
 
 SYN_LAYERS, SYN_KV_HEADS, SYN_GROUP, SYN_DIM = 4, 2, 2, 64
+SYN_MODEL_SEED = 1234  # the synthetic model's per-(layer, head) parameters
 
 
 def synthetic_qk(doc_id: torch.Tensor, seed: int):
-    """Block-constant q/k whose pooled scores are alpha hot[j] + gamma cos(w(i-j)) + noise."""
+    """Block-constant q/k whose pooled scores are alpha hot[j] + gamma cos(w(i-j)) + noise.
+    (alpha, gamma, p) per (layer, head) are the model's (fixed, SYN_MODEL_SEED); the hot
+    positions and the noise are the row's (`seed`)."""
     L = doc_id.shape[1]
     nb = L // BLOCK
     scale = SYN_DIM**-0.5
@@ -166,11 +170,12 @@ def synthetic_qk(doc_id: torch.Tensor, seed: int):
     omega = 2 * math.pi / 64
     i = torch.arange(nb, dtype=torch.float32)
     for layer in range(SYN_LAYERS):
+        model = np.random.default_rng([SYN_MODEL_SEED, layer])
         rng = np.random.default_rng([seed, layer])
         qs, ks = [], []
         for _ in range(SYN_KV_HEADS):
-            alpha, gamma = rng.uniform(4, 7), rng.uniform(1, 4)
-            p = math.exp(rng.uniform(math.log(0.005), math.log(0.05)))
+            alpha, gamma = model.uniform(4, 7), model.uniform(1, 4)
+            p = math.exp(model.uniform(math.log(0.005), math.log(0.05)))
             hot = torch.from_numpy(rng.random(nb) < p) | first
             q = torch.from_numpy(rng.normal(0, 0.7, (nb, SYN_DIM))).float()
             k = torch.from_numpy(rng.normal(0, 0.7, (nb, SYN_DIM))).float()
@@ -229,6 +234,52 @@ def worst(loads: np.ndarray) -> float:
     return max(imbalance(row) for row in loads)
 
 
+def score(
+    source: str,
+    beta: float,
+    n: int,
+    name: str,
+    pred: np.ndarray,
+    kept: np.ndarray,
+    allowed: np.ndarray,
+) -> list[dict]:
+    """Rows of the table for one (source, budget, degree, predictor); kept [B, layers, NB].
+
+    Per layer, and over all layers (sum_l max_r / sum_l mean_r: the ranks meet at every
+    layer's all-gather, so that is the attention time's imbalance). `oracle`: the
+    balanced split built from the computed tables themselves (summed over layers), the
+    best any one-split-per-row predictor could do."""
+    B, L = kept.shape[0], kept.shape[2] * BLOCK
+    zig = zigzag_split(B, L, n, BLOCK)
+    bal = balanced_split(pred, n, BLOCK)
+    oracle = balanced_split(kept.sum(1), n, BLOCK)
+    heads = kept_heads(source)
+    out = []
+    for layer in (*range(kept.shape[1]), "all"):
+        comp = kept if layer == "all" else kept[:, layer : layer + 1]
+
+        def computed(split, comp=comp):  # [B, layers, N] -> worst row
+            loads = np.stack([rank_loads(c, split) for c in comp.transpose(1, 0, 2)], 1)
+            return max(float(row.max(-1).sum() / row.mean(-1).sum()) for row in loads)
+
+        out.append(
+            {
+                "source": source,
+                "budget": beta,
+                "degree": n,
+                "predictor": name,
+                "layer": layer,
+                "density": float(comp.sum() / (allowed.sum() * heads * comp.shape[1])),
+                "predicted_zigzag": worst(rank_loads(pred, zig)),
+                "predicted_balanced": worst(rank_loads(pred, bal)),
+                "computed_zigzag": computed(zig),
+                "computed_balanced": computed(bal),
+                "computed_oracle": computed(oracle),
+            }
+        )
+    return out
+
+
 def run(setup: Setup, sources: tuple[str, ...], progress=print) -> dict:
     rows = pack_rows(setup.row_len, setup.rows, setup.seed)
     doc_id = doc_ids(rows, setup.row_len)
@@ -257,26 +308,8 @@ def run(setup: Setup, sources: tuple[str, ...], progress=print) -> dict:
         progress(f"[context_parallel] {source}: tables in {time.perf_counter() - t0:.0f}s")
         for j, beta in enumerate(budgets):
             for n in setup.degrees:
-                zig = zigzag_split(B, setup.row_len, n, BLOCK)
                 for name, predict in predictors.items():
-                    pred = predict(beta)
-                    bal = balanced_split(pred, n, BLOCK)
-                    for layer in range(kept.shape[1]):
-                        comp = kept[:, layer, j]
-                        results.append(
-                            {
-                                "source": source,
-                                "budget": beta,
-                                "degree": n,
-                                "predictor": name,
-                                "layer": layer,
-                                "density": float(comp.sum() / (allowed.sum() * kept_heads(source))),
-                                "predicted_zigzag": worst(rank_loads(pred, zig)),
-                                "predicted_balanced": worst(rank_loads(pred, bal)),
-                                "computed_zigzag": worst(rank_loads(comp, zig)),
-                                "computed_balanced": worst(rank_loads(comp, bal)),
-                            }
-                        )
+                    results += score(source, beta, n, name, predict(beta), kept[:, :, j], allowed)
     return {
         "setup": dataclasses.asdict(setup),
         "rows_doc_lens": rows,
@@ -293,15 +326,15 @@ def kept_heads(source: str) -> int:
 def format_table(rep: dict) -> str:
     head = (
         "| source | budget | CP | predictor | layer | density | pred zigzag | pred balanced "
-        "| computed zigzag | computed balanced |"
+        "| computed zigzag | computed balanced | computed oracle |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 11]
     for r in rep["results"]:
         lines.append(
             f"| {r['source']} | {r['budget']:g} | {r['degree']} | {r['predictor']} | "
             f"{r['layer']} | {r['density']:.3f} | {r['predicted_zigzag']:.3f} | "
             f"{r['predicted_balanced']:.3f} | {r['computed_zigzag']:.3f} | "
-            f"{r['computed_balanced']:.3f} |"
+            f"{r['computed_balanced']:.3f} | {r['computed_oracle']:.3f} |"
         )
     return "\n".join(lines)
 

@@ -39,7 +39,7 @@ from sb_titan.balance.cost_model import (
 )
 from sb_titan.balance.cost_model.blocks import forced_density
 from sb_titan.balance.dst import DSTConfig
-from sb_titan.balance.sab import SABConfig
+from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.context_parallel.split import (
     allowed_blocks,
     balanced_split,
@@ -143,6 +143,57 @@ def microbatch_seconds(
     return float(loads.max() * pricing.pair_s), imbalance(loads), float(loads.max())
 
 
+def step_variants(
+    plan: StepPlan, cluster: CPCluster, pricing: CPPricing, budget: float, row_rest_s: float
+) -> dict[str, dict[str, float]]:
+    """One step of every variant: per DP rank the sum over its rows of the slowest CP
+    rank's attention + `row_rest_s` (linear + communication), the slowest DP rank."""
+    per_rank: dict[str, list[float]] = {v: [] for v in CP_VARIANTS}
+    stats: dict[str, list[tuple[float, float]]] = {v: [] for v in CP_VARIANTS}
+    tokens = 0
+    for rank in plan.microbatches:
+        totals = dict.fromkeys(CP_VARIANTS, 0.0)
+        for mb in rank:
+            tokens += mb.num_tokens
+            dense, sparse = row_costs(mb.doc_lens, cluster.seq_len, pricing, budget)
+            for v in CP_VARIANTS:
+                kind, split = v.split("_")
+                cost = dense if kind == "dense" else sparse
+                attn, imb, _ = microbatch_seconds(cost, split, cluster, pricing)
+                totals[v] += attn + row_rest_s
+                stats[v].append((attn, imb))
+        for v in CP_VARIANTS:
+            per_rank[v].append(totals[v])
+    out = {}
+    for v in CP_VARIANTS:
+        attn, imb = np.asarray(stats[v]).T
+        out[v] = {
+            "step_s": max(per_rank[v]),
+            "attention_s": float(attn.mean()),
+            "cp_imbalance": float(imb.mean()),
+            "cp_imbalance_worst": float(imb.max()),
+            "tokens": tokens,
+        }
+    return out
+
+
+def summarise(steps: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Means over steps per variant; speedups are step-time ratios (same rows)."""
+    base = np.mean([s["step_s"] for s in steps["dense_zigzag"]])
+    variants = {}
+    for v, rs in steps.items():
+        step = float(np.mean([r["step_s"] for r in rs]))
+        variants[v] = {
+            "step_time_s": step,
+            "speedup_vs_dense_zigzag": float(base / step),
+            "attention_s_per_microbatch": float(np.mean([r["attention_s"] for r in rs])),
+            "cp_imbalance_max_over_mean": float(np.mean([r["cp_imbalance"] for r in rs])),
+            "cp_imbalance_worst": float(max(r["cp_imbalance_worst"] for r in rs)),
+            "tokens_per_s": float(sum(r["tokens"] for r in rs) / sum(r["step_s"] for r in rs)),
+        }
+    return variants
+
+
 def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
     """Mean step time per variant over sc.steps steps, and the assumptions behind it."""
     check_divisible(cluster.seq_len, cluster.cp, sc.block_size)
@@ -156,53 +207,16 @@ def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
         lengths, packing, SABConfig(seed=sc.seed), "sequential", pricing.cost_model, dst
     )
     linear = pricing.linear_s(cluster.seq_len / cluster.cp)
-    comm = net.cp_seconds(cluster.seq_len, dims.n_kv_heads, dims.head_dim, dims.n_layers,
-                          cluster.cp)  # fmt: skip
+    kv = (cluster.seq_len, dims.n_kv_heads, dims.head_dim, dims.n_layers, cluster.cp)
+    comm = net.cp_seconds(*kv)
     params = stage_param_count(dims, dims.n_layers, True, True)
     reduce_s = net.allreduce_seconds(params, cluster.gpus)
     steps: dict[str, list[dict[str, float]]] = {v: [] for v in CP_VARIANTS}
     for _ in range(sc.steps):
-        plan = planner.next_step()
-        per_rank: dict[str, list[float]] = {v: [] for v in CP_VARIANTS}
-        stats: dict[str, list[tuple[float, float]]] = {v: [] for v in CP_VARIANTS}
-        tokens = 0
-        for rank in plan.microbatches:
-            totals = dict.fromkeys(CP_VARIANTS, 0.0)
-            for mb in rank:
-                tokens += mb.num_tokens
-                dense, sparse = row_costs(mb.doc_lens, cluster.seq_len, pricing, sc.budget)
-                for v in CP_VARIANTS:
-                    kind, split = v.split("_")
-                    attn, imb, _ = microbatch_seconds(
-                        dense if kind == "dense" else sparse, split, cluster, pricing
-                    )
-                    totals[v] += attn + linear + comm
-                    stats[v].append((attn, imb))
-            for v in CP_VARIANTS:
-                per_rank[v].append(totals[v])
-        for v in CP_VARIANTS:
-            attn, imb = np.asarray(stats[v]).T
-            steps[v].append(
-                {
-                    "step_s": max(per_rank[v]) + reduce_s,
-                    "attention_s": float(attn.mean()),
-                    "cp_imbalance": float(imb.mean()),
-                    "cp_imbalance_worst": float(imb.max()),
-                    "tokens": tokens,
-                }
-            )
-    base = np.mean([s["step_s"] for s in steps["dense_zigzag"]])
-    variants = {}
-    for v, rs in steps.items():
-        step = float(np.mean([r["step_s"] for r in rs]))
-        variants[v] = {
-            "step_time_s": step,
-            "speedup_vs_dense_zigzag": float(base / step),
-            "attention_s_per_microbatch": float(np.mean([r["attention_s"] for r in rs])),
-            "cp_imbalance_max_over_mean": float(np.mean([r["cp_imbalance"] for r in rs])),
-            "cp_imbalance_worst": float(max(r["cp_imbalance_worst"] for r in rs)),
-            "tokens_per_s": float(sum(r["tokens"] for r in rs) / sum(r["step_s"] for r in rs)),
-        }
+        step = step_variants(planner.next_step(), cluster, pricing, sc.budget, linear + comm)
+        for v, r in step.items():
+            steps[v].append({**r, "step_s": r["step_s"] + reduce_s})
+    full_row = np.array([float(cluster.seq_len)])
     return {
         "format": "sb_titan.simulate_cp",
         "setup": {
@@ -218,21 +232,17 @@ def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
             "device": sc.device,
             "pair_seconds": pricing.pair_s,
             "linear_seconds_per_microbatch": linear,
-            "cp_comm_bytes_per_microbatch": net.cp_bytes(
-                cluster.seq_len, dims.n_kv_heads, dims.head_dim, dims.n_layers, cluster.cp
-            ),
+            "cp_comm_bytes_per_microbatch": net.cp_bytes(*kv),
             "cp_comm_seconds_per_microbatch": comm,
             "cp_comm_overlapped": False,
             "gradient_reduce_seconds": reduce_s,
             "density_prior_exponent": sc.density_exponent,
-            "density_at_budget_full_row": float(
-                pricing.density(sc.budget)(np.array([float(cluster.seq_len)]))[0]
-            ),
+            "density_at_budget_full_row": float(pricing.density(sc.budget)(full_row)[0]),
             "network": dataclasses.asdict(net),
             "packing": "sab.Planner policy sequential (the trainer's loader)",
             "data": f"longtail-v1 (R={cluster.seq_len}, seed={sc.seed})",
         },
-        "variants": variants,
+        "variants": summarise(steps),
     }
 
 
