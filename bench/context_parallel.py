@@ -34,9 +34,12 @@ Setup (fixed, printed and written to bench/results/context_parallel.json):
 * Per (source, budget, CP degree): the split (zigzag, or balanced on the predictor) is
   one per row for every layer; imbalance = max / mean over CP ranks of the rank's kept
   pairs (predicted: of the predicted cost; computed: of the kept pairs each rank's query
-  blocks actually computed in each layer's table), the worst row. The foreign blocks'
-  diagonal pair cp_attention adds is the same count on every rank, so it is left out
-  (it only lowers imbalance).
+  blocks actually computed in each layer's table), the worst row; per layer and over
+  all layers (sum of per-layer maxima / sum of means). Two reference splits beside
+  them: `oracle` (balanced on the computed tables themselves) and `doc density`
+  (balanced on rho_d x n with each document's own measured density: what per-document
+  history would give). The foreign blocks' diagonal pair cp_attention adds is the same
+  count on every rank, so it is left out (it only lowers imbalance).
 
     python bench/context_parallel.py [--quick]  ->  bench/results/context_parallel.json
 """
@@ -234,6 +237,20 @@ def worst(loads: np.ndarray) -> float:
     return max(imbalance(row) for row in loads)
 
 
+def doc_density_cost(
+    kept: np.ndarray, allowed: np.ndarray, first_doc: np.ndarray, heads: int
+) -> np.ndarray:
+    """[B, NB] rho_d * n (at least 1): each document's measured density over layers and
+    heads times the blocks a query block may see (K(n) - K(n-1) at constant rho_d)."""
+    total = kept.sum(1)
+    out = np.ones_like(total)
+    for b in range(total.shape[0]):
+        _, doc = np.unique(first_doc[b], return_inverse=True)
+        pairs = np.bincount(doc, total[b]) / (np.bincount(doc, allowed[b]) * heads * kept.shape[1])
+        out[b] = np.maximum(pairs[doc] * allowed[b], 1.0)
+    return out
+
+
 def score(
     source: str,
     beta: float,
@@ -242,18 +259,23 @@ def score(
     pred: np.ndarray,
     kept: np.ndarray,
     allowed: np.ndarray,
+    first_doc: np.ndarray,
 ) -> list[dict]:
     """Rows of the table for one (source, budget, degree, predictor); kept [B, layers, NB].
 
     Per layer, and over all layers (sum_l max_r / sum_l mean_r: the ranks meet at every
     layer's all-gather, so that is the attention time's imbalance). `oracle`: the
     balanced split built from the computed tables themselves (summed over layers), the
-    best any one-split-per-row predictor could do."""
+    best any one-split-per-row predictor could do. `doc_density`: the balanced split on
+    rho_d * n per query block with rho_d its document's own measured density (over
+    layers): the n-shape of `predicted_block_pairs` with per-document knowledge, what
+    per-document history (an earlier epoch's tables) would give if densities recur."""
     B, L = kept.shape[0], kept.shape[2] * BLOCK
     zig = zigzag_split(B, L, n, BLOCK)
     bal = balanced_split(pred, n, BLOCK)
     oracle = balanced_split(kept.sum(1), n, BLOCK)
     heads = kept_heads(source)
+    doc_split = balanced_split(doc_density_cost(kept, allowed, first_doc, heads), n, BLOCK)
     out = []
     for layer in (*range(kept.shape[1]), "all"):
         comp = kept if layer == "all" else kept[:, layer : layer + 1]
@@ -275,6 +297,7 @@ def score(
                 "computed_zigzag": computed(zig),
                 "computed_balanced": computed(bal),
                 "computed_oracle": computed(oracle),
+                "computed_doc_density": computed(doc_split),
             }
         )
     return out
@@ -284,6 +307,7 @@ def run(setup: Setup, sources: tuple[str, ...], progress=print) -> dict:
     rows = pack_rows(setup.row_len, setup.rows, setup.seed)
     doc_id = doc_ids(rows, setup.row_len)
     allowed = allowed_blocks(doc_id, BLOCK).astype(np.float64)  # [B, NB]
+    first_doc = doc_id[:, ::BLOCK].numpy()  # [B, NB] the document each block starts in
     B = len(rows)
     results = []
     fits = {}
@@ -309,7 +333,9 @@ def run(setup: Setup, sources: tuple[str, ...], progress=print) -> dict:
         for j, beta in enumerate(budgets):
             for n in setup.degrees:
                 for name, predict in predictors.items():
-                    results += score(source, beta, n, name, predict(beta), kept[:, :, j], allowed)
+                    results += score(
+                        source, beta, n, name, predict(beta), kept[:, :, j], allowed, first_doc
+                    )
     return {
         "setup": dataclasses.asdict(setup),
         "rows_doc_lens": rows,
@@ -326,15 +352,16 @@ def kept_heads(source: str) -> int:
 def format_table(rep: dict) -> str:
     head = (
         "| source | budget | CP | predictor | layer | density | pred zigzag | pred balanced "
-        "| computed zigzag | computed balanced | computed oracle |"
+        "| computed zigzag | computed balanced | computed doc density | computed oracle |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rep["results"]:
         lines.append(
             f"| {r['source']} | {r['budget']:g} | {r['degree']} | {r['predictor']} | "
             f"{r['layer']} | {r['density']:.3f} | {r['predicted_zigzag']:.3f} | "
             f"{r['predicted_balanced']:.3f} | {r['computed_zigzag']:.3f} | "
-            f"{r['computed_balanced']:.3f} | {r['computed_oracle']:.3f} |"
+            f"{r['computed_balanced']:.3f} | {r['computed_doc_density']:.3f} | "
+            f"{r['computed_oracle']:.3f} |"
         )
     return "\n".join(lines)
 

@@ -98,3 +98,13 @@ def test_quick_run_reports_both_splits(tmp_path):
             assert r["density"] == pytest.approx(1.0)
         else:
             assert 0 < r["density"] < r["budget"]
+
+
+def test_doc_density_cost_by_hand():
+    """Two documents of 3 and 2 blocks, one layer, 2 heads: rho_d = kept / (allowed x
+    heads) per document, cost rho_d x n, at least 1."""
+    allowed = np.array([[1.0, 2.0, 3.0, 1.0, 2.0]])
+    first_doc = np.array([[0, 0, 0, 1, 1]])
+    kept = np.array([[[2.0, 4.0, 6.0, 2.0, 2.0]]])  # doc 0 dense; doc 1: 4 of 6 pairs
+    cost = bench.doc_density_cost(kept, allowed, first_doc, heads=2)
+    np.testing.assert_allclose(cost, [[1.0, 2.0, 3.0, 1.0, 4 / 6 * 2]])
