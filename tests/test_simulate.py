@@ -216,3 +216,82 @@ def test_cli_with_a_profile_and_interleaved(tmp_path):
     assert rep["assumptions"]["device"] is None
     assert str(prof) in rep["assumptions"]["cost_model"]
     assert rep["setup"]["virtual_stages"] == 2
+
+
+# -- context parallelism (`--cp N`)
+
+
+def test_cp_comm_volume_by_hand():
+    """Qwen2.5-3B (2 kv heads x 128, 36 layers), 512K tokens, CP 8, bf16: per layer
+    each rank receives 7/8 of K and of V (all-gather) and of dK and dV
+    (reduce-scatter)."""
+    from sb_titan.simulator.cluster import Network
+
+    net = Network(cp_gbps=100.0, cp_latency_s=0.0)
+    per_tensor = 2 * 128 * 524288 * 2 * 7 / 8  # Hkv x D x L x bytes x (N-1)/N
+    assert net.cp_bytes(524288, 2, 128, 36, 8) == pytest.approx(4 * per_tensor * 36)
+    assert net.cp_seconds(524288, 2, 128, 36, 8) == pytest.approx(4 * per_tensor * 36 / 100e9)
+    assert net.cp_bytes(524288, 2, 128, 36, 1) == 0.0
+    lat = Network(cp_latency_s=1e-3).cp_seconds(4096, 2, 128, 36, 4)
+    assert lat >= 2 * 36 * 3 * 1e-3  # two ring collectives per layer, N - 1 hops each
+
+
+def _cp(cp=4, dp=2, mbs=2, seq_len=16384, **kw):
+    from sb_titan.simulator.context import CPCluster, CPScenario, simulate_cp
+
+    return simulate_cp(CPCluster(cp, dp, mbs, seq_len), CPScenario(flavor="0.5b", **kw))
+
+
+def test_cp_balanced_split_beats_zigzag_and_sparse_beats_dense():
+    v = _cp(steps=2, budget=0.5, density_exponent=2.0)["variants"]
+    for kind in ("dense", "sparse"):
+        bal, zig = v[f"{kind}_balanced"], v[f"{kind}_zigzag"]
+        assert bal["step_time_s"] <= zig["step_time_s"]
+        assert bal["cp_imbalance_max_over_mean"] < zig["cp_imbalance_max_over_mean"]
+        assert bal["cp_imbalance_worst"] <= 1.05
+    assert v["dense_zigzag"]["cp_imbalance_max_over_mean"] > 1.2  # packed rows are skewed
+    for split in ("zigzag", "balanced"):
+        assert v[f"dense_{split}"]["step_time_s"] > v[f"sparse_{split}"]["step_time_s"]
+    assert v["dense_zigzag"]["speedup_vs_dense_zigzag"] == pytest.approx(1.0)
+
+
+def test_cp_step_of_single_document_rows_by_hand(monkeypatch):
+    """Rows holding one document of R tokens: zigzag gives every rank the same causal
+    pairs, c(2Nc + 1) with c = blocks per chunk, so the step is that times the analytic
+    price of a block pair (14 b^2 D Hq layers FLOPs at the attention efficiency) plus
+    the linear part, the K/V traffic per row, and the gradient reduction."""
+    from sb_titan.balance.cost_model import ANALYTIC_DEVICES
+    from sb_titan.models.qwen2_5 import FLAVORS
+    from sb_titan.simulator import context
+
+    R, N, b = 16384, 4, 64
+    dims = FLAVORS["0.5b"]
+    monkeypatch.setattr(context, "draw_lengths", lambda cluster, steps, seed: np.full(64, R))
+    rep = _cp(cp=N, dp=2, mbs=2, seq_len=R, steps=1)
+    h200 = ANALYTIC_DEVICES["h200"]
+    pair_s = 14 * b * b * dims.head_dim * dims.n_heads * dims.n_layers
+    pair_s /= h200["peak_flops"] * h200["attn_efficiency"]
+    assert rep["assumptions"]["pair_seconds"] == pytest.approx(pair_s)
+    c = R // b // (2 * N)
+    a = rep["assumptions"]
+    row = c * (2 * N * c + 1) * pair_s
+    row += a["linear_seconds_per_microbatch"] + a["cp_comm_seconds_per_microbatch"]
+    want = 2 * row + a["gradient_reduce_seconds"]
+    v = rep["variants"]["dense_zigzag"]
+    assert v["step_time_s"] == pytest.approx(want)
+    assert v["cp_imbalance_worst"] == pytest.approx(1.0)
+
+
+def test_cli_cp(tmp_path, capsys):
+    out = tmp_path / "cp.json"
+    argv = ["--flavor", "0.5b", "--cp", "4", "--dp", "2", "--microbatches", "2"]
+    argv += ["--seq-len", "16384", "--steps", "1", "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["variants"]) == {
+        "dense_zigzag", "dense_balanced", "sparse_zigzag", "sparse_balanced"
+    }  # fmt: skip
+    assert rep["setup"]["gpus"] == 8 and rep["assumptions"]["cp_comm_overlapped"] is False
+    assert "sparse_balanced" in capsys.readouterr().out
+    assert main(argv[:-2] + ["--pp", "2"]) == 2
+    assert main(["--flavor", "0.5b", "--cp", "3", "--dp", "1", "--seq-len", "16384"]) == 2

@@ -7,6 +7,7 @@ a CPU with the project's own planner, DST and cost model (docs/simulate.md).
     stages.py     each stage's cost model, split as TorchTitan splits the model
     step.py       one step of one variant: plan, budget, time, replay, reduce
     run.py        every variant over the same documents for many steps
+    context.py    `--cp N`: DP x CP groups, dense/sparse attention on zigzag/balanced splits
     report.py     JSON, markdown table, Gantt chart
 """
 

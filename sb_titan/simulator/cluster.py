@@ -15,7 +15,8 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
 @dataclass(frozen=True, slots=True)
 class Network:
-    """Communication: activations between pipeline stages, gradients across DP ranks."""
+    """Communication: activations between pipeline stages, gradients across DP ranks,
+    K/V across the ranks of a context-parallel group."""
 
     p2p_gbps: float = 100.0  # GB/s per stage boundary (NVLink within a node)
     p2p_latency_s: float = 20e-6
@@ -23,6 +24,9 @@ class Network:
     allreduce_latency_s: float = 100e-6
     activation_bytes: int = 2  # bf16 activations and activation gradients
     grad_bytes: int = 4  # fp32 gradient reduction (TorchTitan's default reduce dtype)
+    cp_gbps: float = 100.0  # GB/s per GPU for CP's ring collectives (NVLink within a node)
+    cp_latency_s: float = 20e-6  # per ring hop
+    kv_bytes: int = 2  # bf16 K/V and their gradients
 
     def send_seconds(self, tokens: np.ndarray, hidden: int) -> np.ndarray:
         """One micro-batch's activations (or their gradient) across a stage boundary."""
@@ -34,6 +38,23 @@ class Network:
             return 0.0
         volume = 2 * (dp - 1) / dp * params * self.grad_bytes
         return self.allreduce_latency_s * 2 * (dp - 1) + volume / (self.allreduce_gbps * 1e9)
+
+    def cp_bytes(self, tokens: int, kv_heads: int, head_dim: int, layers: int, cp: int) -> float:
+        """Bytes one CP rank receives per row (fwd + bwd): per layer, the all-gather of
+        K and V and the reduce-scatter of dK and dV, each (N-1)/N of the row's
+        Hkv x D x L values for each of the two tensors."""
+        if cp <= 1:
+            return 0.0
+        per_tensor = kv_heads * head_dim * tokens * self.kv_bytes * (cp - 1) / cp
+        return 2 * 2 * per_tensor * layers  # {K, V} x {all-gather, reduce-scatter}
+
+    def cp_seconds(self, tokens: int, kv_heads: int, head_dim: int, layers: int, cp: int) -> float:
+        """Ring time of those collectives (two per layer: K/V travel stacked), not
+        overlapped with compute (worst case)."""
+        if cp <= 1:
+            return 0.0
+        volume = self.cp_bytes(tokens, kv_heads, head_dim, layers, cp)
+        return 2 * layers * (cp - 1) * self.cp_latency_s + volume / (self.cp_gbps * 1e9)
 
 
 @dataclass(frozen=True, slots=True)
