@@ -1,7 +1,8 @@
 """Context-parallel split quality on real selection tables.
 
 How evenly do the CP ranks' attention loads come out, under the dense zigzag split and
-under the sparse-aware balanced split, on packed longtail-v1 rows of 256K tokens?
+under the trainer's sparse-aware split (`document_split`: every rank an equal predicted
+share of every document), on packed longtail-v1 rows of 256K tokens?
 
 Setup (fixed, printed and written to bench/results/context_parallel.json):
 * Rows: longtail-v1 documents packed into rows of R = 262144 tokens by the trainer's
@@ -31,13 +32,14 @@ Setup (fixed, printed and written to bench/results/context_parallel.json):
     layers);
   - `profile`: `BlockProfile`, the mean kept count per query block as a function of the
     blocks it may see, from the same fit tables.
-* Per (source, budget, CP degree): the split (zigzag, or balanced on the predictor) is
-  one per row for every layer; imbalance = max / mean over CP ranks of the rank's kept
+* Per (source, budget, CP degree): the split (zigzag; the trainer's `document_split` on
+  the predictor; `lpt`: blocks packed by predicted cost alone, heaviest first) is one
+  per row for every layer; imbalance = max / mean over CP ranks of the rank's kept
   pairs (predicted: of the predicted cost; computed: of the kept pairs each rank's query
   blocks actually computed in each layer's table), the worst row; per layer and over
   all layers (sum of per-layer maxima / sum of means). Two reference splits beside
-  them: `oracle` (balanced on the computed tables themselves) and `doc density`
-  (balanced on rho_d x n with each document's own measured density: what per-document
+  them: `oracle` (LPT on the computed tables themselves) and `doc density`
+  (LPT on rho_d x n with each document's own measured density: what per-document
   history would give). The foreign blocks' diagonal pair cp_attention adds is the same
   count on every rank, so it is left out (it only lowers imbalance).
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import math
 import platform
@@ -63,8 +66,9 @@ from sb_titan.balance.cost_model import DensityModel
 from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
 from sb_titan.context_parallel.profile import BlockProfile
 from sb_titan.context_parallel.split import (
+    CPSplit,
     allowed_blocks,
-    balanced_split,
+    document_split,
     imbalance,
     predicted_block_pairs,
     rank_loads,
@@ -232,6 +236,66 @@ def fit_predictors(source: str, setup: Setup) -> tuple[DensityModel, BlockProfil
 # -- scoring
 
 
+def lpt_split(cost: np.ndarray, degree: int, block_size: int) -> CPSplit:
+    """The reference partition (what the package shipped before `document_split`):
+    cost [B, NB] (work per query block) -> the split that gives each rank
+    NB / N blocks of every row: heaviest block first to the least-loaded rank with room,
+    then swaps between the most- and least-loaded ranks while they lower the maximum.
+    Deterministic (stable orders, ties to the lower rank), so every rank of a CP group
+    computes the same split from the same costs."""
+    cost = np.asarray(cost, dtype=np.float64)
+    B, nb = cost.shape
+    if nb % degree:
+        raise ValueError(f"{nb} blocks do not split evenly over {degree} CP ranks")
+    per = nb // degree
+    blocks = np.empty((B, degree, per), dtype=np.int64)
+    for b in range(B):
+        owner = _greedy(cost[b], degree, per)
+        _swap_down(cost[b], owner, degree)
+        for r in range(degree):
+            blocks[b, r] = np.flatnonzero(owner == r)
+    return CPSplit(torch.from_numpy(blocks), block_size)
+
+
+def _greedy(cost: np.ndarray, degree: int, per: int) -> np.ndarray:
+    heap = [(0.0, r) for r in range(degree)]  # (load, rank) of ranks with room
+    filled = [0] * degree
+    owner = np.empty(len(cost), dtype=np.int64)
+    for i in np.argsort(-cost, kind="stable"):
+        load, r = heapq.heappop(heap)
+        owner[i] = r
+        filled[r] += 1
+        if filled[r] < per:
+            heapq.heappush(heap, (load + float(cost[i]), r))
+    return owner
+
+
+def _swap_down(cost: np.ndarray, owner: np.ndarray, degree: int, rounds: int = 64) -> None:
+    """Swap one block of the most-loaded rank with one of the least-loaded rank, the
+    pair whose difference is closest to half their gap, while that lowers the larger."""
+    for _ in range(rounds):
+        load = np.bincount(owner, weights=cost, minlength=degree)
+        hi, lo = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[hi] - load[lo]
+        a = np.flatnonzero(owner == hi)
+        c = np.flatnonzero(owner == lo)
+        c = c[np.argsort(cost[c], kind="stable")]
+        # for each block of hi, the block of lo with cost nearest cost[a] - gap / 2
+        want = cost[a] - gap / 2
+        at = np.clip(np.searchsorted(cost[c], want), 1, len(c)) - 1
+        best = None
+        for j in (at, np.minimum(at + 1, len(c) - 1)):
+            d = cost[a] - cost[c[j]]
+            new_max = np.maximum(load[hi] - d, load[lo] + d)
+            k = int(np.argmin(new_max))
+            if d[k] > 0 and new_max[k] < load[hi] - 1e-12 * load[hi]:
+                if best is None or new_max[k] < best[0]:
+                    best = (new_max[k], a[k], c[j[k]])
+        if best is None:
+            return
+        owner[best[1]], owner[best[2]] = lo, hi
+
+
 def worst(loads: np.ndarray) -> float:
     """Worst row's max / mean over CP ranks; loads [B, N]."""
     return max(imbalance(row) for row in loads)
@@ -272,10 +336,11 @@ def score(
     per-document history (an earlier epoch's tables) would give if densities recur."""
     B, L = kept.shape[0], kept.shape[2] * BLOCK
     zig = zigzag_split(B, L, n, BLOCK)
-    bal = balanced_split(pred, n, BLOCK)
-    oracle = balanced_split(kept.sum(1), n, BLOCK)
+    split = document_split(pred, first_doc, n, BLOCK)  # what the trainer runs
+    lpt = lpt_split(pred, n, BLOCK)
+    oracle = lpt_split(kept.sum(1), n, BLOCK)
     heads = kept_heads(source)
-    doc_split = balanced_split(doc_density_cost(kept, allowed, first_doc, heads), n, BLOCK)
+    doc_split = lpt_split(doc_density_cost(kept, allowed, first_doc, heads), n, BLOCK)
     out = []
     for layer in (*range(kept.shape[1]), "all"):
         comp = kept if layer == "all" else kept[:, layer : layer + 1]
@@ -293,11 +358,13 @@ def score(
                 "layer": layer,
                 "density": float(comp.sum() / (allowed.sum() * heads * comp.shape[1])),
                 "predicted_zigzag": worst(rank_loads(pred, zig)),
-                "predicted_balanced": worst(rank_loads(pred, bal)),
+                "predicted_split": worst(rank_loads(pred, split)),
+                "predicted_lpt": worst(rank_loads(pred, lpt)),
                 "computed_zigzag": computed(zig),
-                "computed_balanced": computed(bal),
-                "computed_oracle": computed(oracle),
+                "computed_split": computed(split),
+                "computed_lpt": computed(lpt),
                 "computed_doc_density": computed(doc_split),
+                "computed_oracle": computed(oracle),
             }
         )
     return out
@@ -350,19 +417,18 @@ def kept_heads(source: str) -> int:
 
 
 def format_table(rep: dict) -> str:
-    head = (
-        "| source | budget | CP | predictor | layer | density | pred zigzag | pred balanced "
-        "| computed zigzag | computed balanced | computed doc density | computed oracle |"
+    cols = [
+        "predicted_zigzag", "predicted_split", "predicted_lpt", "computed_zigzag",
+        "computed_split", "computed_lpt", "computed_doc_density", "computed_oracle",
+    ]  # fmt: skip
+    head = "| source | budget | CP | predictor | layer | density | " + " | ".join(
+        c.replace("_", " ") for c in cols
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head + " |", "|" + "---|" * (6 + len(cols))]
     for r in rep["results"]:
-        lines.append(
-            f"| {r['source']} | {r['budget']:g} | {r['degree']} | {r['predictor']} | "
-            f"{r['layer']} | {r['density']:.3f} | {r['predicted_zigzag']:.3f} | "
-            f"{r['predicted_balanced']:.3f} | {r['computed_zigzag']:.3f} | "
-            f"{r['computed_balanced']:.3f} | {r['computed_doc_density']:.3f} | "
-            f"{r['computed_oracle']:.3f} |"
-        )
+        cells = [r["source"], f"{r['budget']:g}", r["degree"], r["predictor"], r["layer"]]
+        cells += [f"{r['density']:.3f}", *(f"{r[c]:.3f}" for c in cols)]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ from sb_titan.attention.ops import block_sparse_attention, full_table, select
 from sb_titan.context_parallel.attention import cp_attention
 from sb_titan.context_parallel.split import (
     allowed_blocks,
-    balanced_split,
+    document_split,
     predicted_block_pairs,
     zigzag_split,
 )
@@ -71,7 +71,7 @@ def main(out_dir: str) -> None:
         )
         splits = {
             "zigzag": zigzag_split(B, L, world, BS),
-            "balanced": balanced_split(cost, world, BS),
+            "document": document_split(cost, doc_id[:, ::BS].numpy(), world, BS),
         }
         for budget in (None, torch.tensor([0.5, 0.8])):
             ref, ref_density = _reference(q, k, v, doc_id, budget, grad)
@@ -106,6 +106,7 @@ def main(out_dir: str) -> None:
                     dist.all_reduce(totals)
                     results[key]["density"] = [float(totals[0]), ref_density]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()  # no rank tears gloo down while another is still in a collective
     dist.destroy_process_group()
 
 

@@ -86,9 +86,9 @@ def test_quick_run_reports_both_splits(tmp_path):
     assert {r["source"] for r in results} == {"synthetic", "dense"}
     assert {r["degree"] for r in results} == set(setup["degrees"])
     for r in results:
-        assert r["predicted_balanced"] <= r["predicted_zigzag"] + 1e-12
-        assert r["predicted_balanced"] <= 1.05
-        assert r["computed_balanced"] < r["computed_zigzag"]
+        assert r["predicted_split"] <= r["predicted_zigzag"] + 1e-12
+        assert r["predicted_split"] <= 1.05 and r["predicted_lpt"] <= 1.05
+        assert r["computed_split"] < r["computed_zigzag"]
         if r["source"] == "dense":  # computed = allowed pairs, by loops over zigzag chunks
             want = max(
                 max(loads) / np.mean(loads)

@@ -12,7 +12,7 @@ from sb_titan.balance.cost_model import CostModel
 from sb_titan.context_parallel.split import (
     CPSplit,
     allowed_blocks,
-    balanced_split,
+    document_split,
     imbalance,
     layer_block_costs,
     rank_loads,
@@ -44,6 +44,7 @@ def cp_split(
     if config.parallelism.context_parallel_load_balancer == "headtail":
         split = zigzag_split(doc_id.shape[0], doc_id.shape[1], cp, sa.block_size)
     else:
-        split = balanced_split(cost, cp, sa.block_size)
+        documents = doc_id[:, :: sa.block_size].cpu().numpy()  # each block's first token's
+        split = document_split(cost, documents, cp, sa.block_size)
     predicted = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
     return split, predicted

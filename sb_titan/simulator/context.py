@@ -14,7 +14,8 @@ every rank). A DP rank runs its micro-batches in turn; the step waits for the sl
 DP rank, then reduces gradients over all DP x CP ranks.
 
 Variants (each on the same rows, packed by the trainer's planner, policy `sequential`):
-dense attention on the zigzag split and on the balanced split; sparse attention (the
+dense attention on the zigzag split and on the balanced split (the trainer's sparse-aware
+split, `document_split`); sparse attention (the
 cost model's density at the budget) on zigzag and on the balanced split. The kept pairs
 a variant is timed with are the predicted ones, `predicted_block_pairs` under the cost
 model's density model: the balanced split is timed on the numbers it was built from.
@@ -42,8 +43,8 @@ from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.context_parallel.split import (
     allowed_blocks,
-    balanced_split,
     check_divisible,
+    document_split,
     imbalance,
     predicted_block_pairs,
     rank_loads,
@@ -124,21 +125,28 @@ def row_doc_id(doc_lens: list[int], seq_len: int) -> torch.Tensor:
 
 
 def row_costs(doc_lens: list[int], seq_len: int, pricing: CPPricing, beta: float):
-    """([NB] dense pairs, [NB] predicted sparse pairs) per query block of one row."""
-    allowed = allowed_blocks(row_doc_id(doc_lens, seq_len), pricing.block_size)
+    """([NB] dense pairs, [NB] predicted sparse pairs, [NB] document) per query block
+    of one row."""
+    doc_id = row_doc_id(doc_lens, seq_len)
+    allowed = allowed_blocks(doc_id, pricing.block_size)
     sparse = predicted_block_pairs(allowed, pricing.density(beta), pricing.block_size)
-    return allowed[0].astype(np.float64), sparse[0]
+    documents = doc_id[0, :: pricing.block_size].numpy()
+    return allowed[0].astype(np.float64), sparse[0], documents
 
 
 def microbatch_seconds(
-    cost: np.ndarray, split_name: str, cluster: CPCluster, pricing: CPPricing
+    cost: np.ndarray,
+    documents: np.ndarray,
+    split_name: str,
+    cluster: CPCluster,
+    pricing: CPPricing,
 ) -> tuple[float, float, float]:
     """(attention of the slowest rank, CP imbalance, predicted pairs of that rank)."""
     bs = pricing.block_size
     if split_name == "zigzag":
         split = zigzag_split(1, cluster.seq_len, cluster.cp, bs)
-    else:
-        split = balanced_split(cost[None], cluster.cp, bs)
+    else:  # the trainer's sparse-aware split
+        split = document_split(cost[None], documents[None], cluster.cp, bs)
     loads = rank_loads(cost[None], split)[0]
     return float(loads.max() * pricing.pair_s), imbalance(loads), float(loads.max())
 
@@ -155,11 +163,11 @@ def step_variants(
         totals = dict.fromkeys(CP_VARIANTS, 0.0)
         for mb in rank:
             tokens += mb.num_tokens
-            dense, sparse = row_costs(mb.doc_lens, cluster.seq_len, pricing, budget)
+            dense, sparse, documents = row_costs(mb.doc_lens, cluster.seq_len, pricing, budget)
             for v in CP_VARIANTS:
                 kind, split = v.split("_")
                 cost = dense if kind == "dense" else sparse
-                attn, imb, _ = microbatch_seconds(cost, split, cluster, pricing)
+                attn, imb, _ = microbatch_seconds(cost, documents, split, cluster, pricing)
                 totals[v] += attn + row_rest_s
                 stats[v].append((attn, imb))
         for v in CP_VARIANTS:
