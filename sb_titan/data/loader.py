@@ -19,7 +19,7 @@ import pickle
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -194,9 +194,6 @@ class SBDataLoader(BaseDataLoader):
         synthetic_recalls: int = 2
         """Facts recalled at the end of each synthetic document (a recall-dense mix, e.g.
         fact_every 64 and recalls 16, teaches a base model the task in fewer steps)."""
-        synthetic_fact_style: Literal["maps", "colon"] = "maps"
-        """How facts are stated: " key K maps to V ." or, as the recall asks them,
-        " key K : V ." (what a small model learns to look up in CPU time)."""
         prefetch_factor: int = 2
         sample_log: bool = False
         """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
@@ -308,7 +305,6 @@ def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:
             seed=config.synthetic_seed,
             fact_every=config.synthetic_fact_every,
             recalls=config.synthetic_recalls,
-            fact_style=config.synthetic_fact_style,
         )
     if config.dataset == "indexed":
         from sb_titan.data.indexed import IndexedDataset

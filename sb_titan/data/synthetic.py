@@ -22,13 +22,6 @@ _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
 _VOWELS = ["a", "e", "i", "o", "u"]
 WORDS = [a + v + b + w for a, v, b, w in itertools.product(_ONSETS, _VOWELS, _ONSETS[:6], "ao")]
 FACT_EVERY = 256  # one key-value fact per this many tokens
-FACT_STYLES = {
-    # the default: two tokens between key and value that the recall does not have
-    "maps": " key {k} maps to {v} .",
-    # the recall's own phrasing (" recall key K : V ."): the value follows the key as it
-    # will be asked, which a small model learns to look up far sooner (docs/eval.md)
-    "colon": " key {k} : {v} .",
-}
 MIN_FACT_LEN = 48  # documents shorter than this are plain filler
 
 
@@ -69,25 +62,18 @@ class SyntheticCorpus:
         lengths: np.ndarray | None = None,
         fact_every: int = FACT_EVERY,
         recalls: int = 2,
-        fact_style: str = "maps",
     ) -> None:
         if fact_every < 1 or recalls < 1:
             raise ValueError(
                 f"synthetic corpus: fact_every ({fact_every}) and recalls ({recalls}) must be >= 1"
             )
-        if fact_style not in FACT_STYLES:
-            raise ValueError(
-                f"synthetic corpus: fact_style {fact_style!r} is not one of {list(FACT_STYLES)}"
-            )
         mix = (
             "" if (fact_every, recalls) == (FACT_EVERY, 2) else f", facts/{fact_every}, r={recalls}"
         )
-        mix += "" if fact_style == "maps" else f", facts '{fact_style}'"
         self.name = f"synthetic-longtail-v1(n={num_docs}, R={row_len}, seed={seed}{mix})"
         self.seed = seed
         self.fact_every = fact_every
         self.recalls = recalls
-        self.fact_style = fact_style
         self._lengths = longtail_v1(num_docs, row_len, seed) if lengths is None else lengths
         self.tokenizer = load_tokenizer(tokenizer_path)
 
@@ -143,8 +129,7 @@ class SyntheticCorpus:
         n_facts = max(1, n // self.fact_every)
         keys = rng.choice(10000, n_facts, replace=False)
         values = rng.integers(0, 10000, n_facts)
-        phrase = FACT_STYLES[self.fact_style]
-        facts = [self._encode(phrase.format(k=k, v=v)) for k, v in zip(keys, values, strict=True)]
+        facts = [self._encode(f" key {k} maps to {v} .") for k, v in zip(keys, values, strict=True)]
         asked = rng.choice(n_facts, min(n_facts, self.recalls), replace=False)
         queries = [self._encode(f" recall key {keys[i]} : {values[i]} .") for i in asked]
         body_len = n - 1 - sum(map(len, queries))
