@@ -6,6 +6,7 @@ writes the largest relative errors of out / dq / dk / dv to <out>/rank<r>.json."
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,8 +107,13 @@ def main(out_dir: str) -> None:
                     dist.all_reduce(totals)
                     results[key]["density"] = [float(totals[0]), ref_density]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
-    dist.barrier()  # no rank tears gloo down while another is still in a collective
-    dist.destroy_process_group()
+    dist.barrier()
+    # Every rank's results are on disk. Tearing gloo down after functional collectives
+    # aborted the process now and then in this torch build (std::terminate at exit, after
+    # the results were written; ~1 launch in 5 at CP = 4), which would fail the test for
+    # something it does not check: leave without the teardown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
