@@ -5,6 +5,7 @@ and PP, and resumes bit for bit."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from conftest import REPO, from_seed, losses, sample_log, scalars, torchrun
@@ -35,19 +36,32 @@ def _same_run(a, b, tol: float = 1e-5) -> None:
             assert abs(x[step] - y[step]) <= tol * abs(x[step]), (tag, step, x[step], y[step])
 
 
-def test_cp2_trains_exactly_like_one_process(seed_ckpt, tmp_path):
-    """3 steps of the sparse recipe: CP = 2 (the cost-balanced split; zigzag's attention
-    is checked in test_context_parallel.py) gives the CP = 1 losses and gradient norms
-    within 1e-5."""
-    args = [*from_seed(seed_ckpt, 3), *SPARSE]
-    torchrun(1, args, tmp_path / "cp1")
-    torchrun(2, [*args, *CP2], tmp_path / "cp2")
-    _same_run(tmp_path / "cp1", tmp_path / "cp2")
-    density = scalars(tmp_path / "cp2", "sparsity/density")
-    assert density and max(density.values()) < 1.0  # blocks were really dropped
-    for what in ("kept", "predicted"):  # CP-rank imbalance: computed and as priced
-        ratio = scalars(tmp_path / "cp2", f"balance/cp_{what}_imbalance")
+@pytest.fixture(scope="module")
+def cp2_run(seed_ckpt, tmp_path_factory) -> Path:
+    """3 steps of the sparse recipe at CP = 2 (the cost-balanced split; zigzag's
+    attention is checked in test_context_parallel.py)."""
+    dump = tmp_path_factory.mktemp("cp2")
+    torchrun(2, [*from_seed(seed_ckpt, 3), *SPARSE, *CP2], dump)
+    return dump
+
+
+def test_cp2_trains_exactly_like_one_process(seed_ckpt, cp2_run, tmp_path):
+    """CP = 2 gives the CP = 1 losses and gradient norms within 1e-5, with blocks really
+    dropped, and logs the CP-rank imbalance, predicted and computed."""
+    torchrun(1, [*from_seed(seed_ckpt, 3), *SPARSE], tmp_path)
+    _same_run(tmp_path, cp2_run)
+    density = scalars(cp2_run, "sparsity/density")
+    assert density and max(density.values()) < 1.0
+    for what in ("kept", "predicted"):
+        ratio = scalars(cp2_run, f"balance/cp_{what}_imbalance")
         assert sorted(ratio) == [1, 2, 3] and all(1.0 <= v < 2.0 for v in ratio.values())
+
+
+def test_cp2_compiled_tracks_eager(seed_ckpt, cp2_run, tmp_path):
+    """--compile.enable under CP: the gathers, the shard's own autograd and selection
+    with rows= trace into every block's graph (fullgraph), and train as eager does."""
+    torchrun(2, [*from_seed(seed_ckpt, 3), *SPARSE, *CP2, "--compile.enable"], tmp_path)
+    _same_run(tmp_path, cp2_run)
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp"])
