@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sb_titan.attention.layout import AttnMeta
+from sb_titan.attention.layout import AttnMeta, doc_ids_from_lengths
 from sb_titan.attention.selection import select_blocks
 from sb_titan.balance.cost_model import DensityModel
 from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
@@ -114,16 +114,6 @@ def pack_rows(row_len: int, rows: int, seed: int) -> list[list[int]]:
         cost_fn=AnalyticCost(row_len),
     )
     return [mb.doc_lens for mb in planner.next_step().microbatches[0]]
-
-
-def doc_ids(rows: list[list[int]], row_len: int) -> torch.Tensor:
-    """[B, L] non-decreasing document ids; every padding token is its own document."""
-    out = torch.empty(len(rows), row_len, dtype=torch.int64)
-    for b, lens in enumerate(rows):
-        ids = np.repeat(np.arange(len(lens)), lens)
-        pad = row_len - len(ids)
-        out[b] = torch.from_numpy(np.concatenate([ids, len(lens) + np.arange(pad)]))
-    return out
 
 
 # -- q/k sources: each yields (layer, q [1, Hq, L, D], k [1, Hkv, L, D]) for one row
@@ -217,7 +207,7 @@ def kept_tables(source: str, setup: Setup, doc_id: torch.Tensor, seed: int) -> n
 
 def fit_predictors(source: str, setup: Setup) -> tuple[DensityModel, BlockProfile, dict]:
     rows = pack_rows(setup.fit_row_len, setup.fit_rows, setup.fit_seed)
-    doc_id = doc_ids(rows, setup.fit_row_len)
+    doc_id = doc_ids_from_lengths(rows, setup.fit_row_len)
     density, profile = DensityModel(), BlockProfile()
     densities = {beta: [] for beta in setup.budgets}
     for b, lens in enumerate(rows):
@@ -372,7 +362,7 @@ def score(
 
 def run(setup: Setup, sources: tuple[str, ...], progress=print) -> dict:
     rows = pack_rows(setup.row_len, setup.rows, setup.seed)
-    doc_id = doc_ids(rows, setup.row_len)
+    doc_id = doc_ids_from_lengths(rows, setup.row_len)
     allowed = allowed_blocks(doc_id, BLOCK).astype(np.float64)  # [B, NB]
     first_doc = doc_id[:, ::BLOCK].numpy()  # [B, NB] the document each block starts in
     B = len(rows)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REPO
 
+from sb_titan.attention.layout import doc_ids_from_lengths
 from sb_titan.attention.selection import select_blocks
 from sb_titan.context_parallel.profile import BlockProfile
 from sb_titan.context_parallel.split import allowed_blocks
@@ -25,7 +26,7 @@ _spec.loader.exec_module(bench)
 
 def test_rows_are_packed_documents_and_padding():
     rows = bench.pack_rows(8192, 3, seed=0)
-    doc_id = bench.doc_ids(rows, 8192)
+    doc_id = doc_ids_from_lengths(rows, 8192)
     for b, lens in enumerate(rows):
         assert 0 < sum(lens) <= 8192 and min(lens) >= 1
         ids, counts = torch.unique_consecutive(doc_id[b], return_counts=True)
@@ -36,7 +37,7 @@ def test_rows_are_packed_documents_and_padding():
 
 def test_synthetic_qk_is_sparse_and_keeps_its_hot_blocks():
     rows = bench.pack_rows(16384, 1, seed=3)
-    doc_id = bench.doc_ids(rows, 16384)
+    doc_id = doc_ids_from_lengths(rows, 16384)
     allowed = allowed_blocks(doc_id, 64)[0]
     _, q, k = next(bench.synthetic_qk(doc_id, seed=0))
     table, stats = select_blocks(q, k, doc_id, 0.9, policy="mass", block_size=64)
@@ -80,7 +81,7 @@ def test_quick_run_reports_both_splits(tmp_path):
     rep = json.loads(out.read_text())
     rows = rep["rows_doc_lens"]
     setup = rep["setup"]
-    doc_id = bench.doc_ids(rows, setup["row_len"])
+    doc_id = doc_ids_from_lengths(rows, setup["row_len"])
     allowed = allowed_blocks(doc_id, 64).astype(np.float64)
     results = rep["results"]
     assert {r["source"] for r in results} == {"synthetic", "dense"}

@@ -33,6 +33,17 @@ def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
     return (torch.cumsum(starts, dim=1) - 1).to(torch.int32)
 
 
+def doc_ids_from_lengths(rows: list[list[int]], seq_len: int) -> torch.Tensor:
+    """[B, L] int64 document ids of packed rows from their document lengths, laid out as
+    the loader lays them out: documents in order, then every padding token its own
+    document (what doc_ids_from_positions gives for the loader's positions)."""
+    out = torch.empty(len(rows), seq_len, dtype=torch.int64)
+    for b, lens in enumerate(rows):
+        ids = torch.arange(len(lens)).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
+        out[b] = torch.cat([ids, len(lens) + torch.arange(seq_len - len(ids))])
+    return out
+
+
 def doc_lens_from_doc_id(doc_id: torch.Tensor) -> list[list[int]]:
     """Document lengths per row (host copy; for logging and cost prediction)."""
     return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in doc_id]

@@ -26,19 +26,19 @@ bench/context_parallel.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from sb_titan.attention.layout import doc_ids_from_lengths
 from sb_titan.balance.cost_model import (
     CostModel,
     DensityModel,
     analytic_stage_spec,
     block_pairs,
 )
-from sb_titan.balance.cost_model.blocks import forced_density
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.context_parallel.split import (
@@ -106,28 +106,14 @@ class CPPricing:
         )
 
     def density(self, beta: float):
-        """lengths -> predicted density at beta, floored at the forced blocks (as
-        CostModel prices a `mass` document)."""
-        model = self.cost_model.density_model
-
-        def rho(lengths: np.ndarray) -> np.ndarray:
-            floor = forced_density(lengths, self.block_size)
-            return np.minimum(1.0, np.maximum(model.predict(beta, lengths), floor))
-
-        return rho
-
-
-def row_doc_id(doc_lens: list[int], seq_len: int) -> torch.Tensor:
-    """[1, L] document ids of one packed row; padding tokens are one-token documents."""
-    ids = np.repeat(np.arange(len(doc_lens)), doc_lens)
-    pad = np.arange(seq_len - len(ids)) + len(doc_lens)
-    return torch.from_numpy(np.concatenate([ids, pad]))[None]
+        """lengths -> the cost model's density of `mass` documents at beta."""
+        return functools.partial(self.cost_model.densities, beta, policy="mass")
 
 
 def row_costs(doc_lens: list[int], seq_len: int, pricing: CPPricing, beta: float):
     """([NB] dense pairs, [NB] predicted sparse pairs, [NB] document) per query block
     of one row."""
-    doc_id = row_doc_id(doc_lens, seq_len)
+    doc_id = doc_ids_from_lengths([doc_lens], seq_len)
     allowed = allowed_blocks(doc_id, pricing.block_size)
     sparse = predicted_block_pairs(allowed, pricing.density(beta), pricing.block_size)
     documents = doc_id[0, :: pricing.block_size].numpy()
