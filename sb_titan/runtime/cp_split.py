@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,30 +22,49 @@ from sb_titan.context_parallel.split import (
 from sb_titan.models.qwen2_5 import dense_layer_set, model_dims
 
 
-def cp_split(
-    config: Any, cost_model: CostModel | None, doc_id: torch.Tensor, budget: float
-) -> tuple[CPSplit, float]:
-    """Which query blocks of each row every CP rank owns, from the rows' document layout
-    (doc_id [B, L] of the full rows) and the micro-batch's budget, and the predicted
-    CP-rank imbalance of that split (max / mean kept pairs, mean over rows). The cost
-    model is refit identically on every rank, so all CP ranks (and all PP stages, which
-    must pass the same shards along) cut the same split."""
-    sa = config.sparse_attention
-    cp = config.parallelism.context_parallel_degree
-    n_layers = model_dims(config).n_layers
-    dense = len(dense_layer_set(sa.dense_layers, n_layers)) if sa.enabled else n_layers
-    density = None
-    if n_layers > dense:
-        if cost_model is not None:
-            density = functools.partial(cost_model.densities, budget, policy=sa.policy)
-        else:  # no cost model: price sparse blocks as dense ones (causal work)
-            density = functools.partial(np.full_like, fill_value=1.0)
-    allowed = allowed_blocks(doc_id, sa.block_size)
-    cost = layer_block_costs(allowed, density, sa.block_size, n_layers - dense, dense)
-    if config.parallelism.context_parallel_load_balancer == "headtail":
-        split = zigzag_split(doc_id.shape[0], doc_id.shape[1], cp, sa.block_size)
-    else:
-        documents = doc_id[:, :: sa.block_size].cpu().numpy()  # each block's first token's
-        split = document_split(cost, documents, cp, sa.block_size)
-    predicted = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
-    return split, predicted
+@dataclass(frozen=True, slots=True)
+class CPSplitter:
+    """Which query blocks of each row every CP rank owns, decided per micro-batch from
+    the rows' document layout and budget. Built once per run: what it needs of the
+    config (layer counts included, which may come from an HF config.json) is fixed."""
+
+    degree: int
+    block_size: int
+    policy: str
+    headtail: bool
+    sparse_layers: int
+    dense_layers: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> CPSplitter:
+        sa, p = config.sparse_attention, config.parallelism
+        n_layers = model_dims(config).n_layers
+        dense = len(dense_layer_set(sa.dense_layers, n_layers)) if sa.enabled else n_layers
+        return cls(
+            p.context_parallel_degree, sa.block_size, sa.policy,
+            p.context_parallel_load_balancer == "headtail", n_layers - dense, dense,
+        )  # fmt: skip
+
+    def __call__(
+        self, cost_model: CostModel | None, doc_id: torch.Tensor, budget: float
+    ) -> tuple[CPSplit, float]:
+        """(the split of the rows doc_id [B, L] (full rows) at `budget`, its predicted
+        CP-rank imbalance: max / mean kept pairs, mean over rows). The cost model is
+        refit identically on every rank, so all CP ranks (and all PP stages, which must
+        pass the same shards along) cut the same split."""
+        bs = self.block_size
+        density = None
+        if self.sparse_layers:
+            if cost_model is not None:
+                density = functools.partial(cost_model.densities, budget, policy=self.policy)
+            else:  # no cost model: price sparse blocks as dense ones (causal work)
+                density = functools.partial(np.full_like, fill_value=1.0)
+        allowed = allowed_blocks(doc_id, bs)
+        cost = layer_block_costs(allowed, density, bs, self.sparse_layers, self.dense_layers)
+        if self.headtail:
+            split = zigzag_split(doc_id.shape[0], doc_id.shape[1], self.degree, bs)
+        else:
+            documents = doc_id[:, ::bs].cpu().numpy()  # each block's first token's
+            split = document_split(cost, documents, self.degree, bs)
+        predicted = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
+        return split, predicted

@@ -56,7 +56,7 @@ from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.context import RunContext
-from sb_titan.runtime.cp_split import cp_split
+from sb_titan.runtime.cp_split import CPSplitter
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
     StepMeasurements,
@@ -122,6 +122,8 @@ class SBTrainer(Trainer):
         self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._cp_predicted: dict[int, float] = {}  # micro-batch -> predicted CP imbalance
+        cp = config.parallelism.context_parallel_degree > 1
+        self._cp_split = CPSplitter.from_config(config) if cp else None
         self._run = RunContext()
         self._repeats = Repeats()  # warnings that recur every step, rate-limited
         self.cost_model = build_run_cost_model(config)
@@ -167,9 +169,7 @@ class SBTrainer(Trainer):
         row_budget = torch.full((positions.shape[0],), budget, device=positions.device)
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
-            split, self._cp_predicted[mb_index] = cp_split(
-                self.config, self.cost_model, doc_id, budget
-            )
+            split, self._cp_predicted[mb_index] = self._cp_split(self.cost_model, doc_id, budget)
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
             extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
