@@ -39,6 +39,13 @@ def resolve_backend(backend: str, device_type: str) -> str:
     return backend
 
 
+def estimator_for(backend: str, device_type: str) -> str:
+    """The selection estimator a resolved backend uses: one selection per device (`flex`
+    on CUDA attends over the table `triton` would use)."""
+    on_gpu = backend == "triton" or (backend == "flex" and device_type == "cuda")
+    return "triton" if on_gpu else "torch"
+
+
 def sparse_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,9 +64,7 @@ def sparse_attention(
     """
     backend = resolve_backend(backend, q.device.type)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # one selection per device: `flex` on CUDA attends over the table `triton` would use
-    on_gpu = backend == "triton" or (backend == "flex" and q.device.type == "cuda")
-    estimator = "triton" if on_gpu else "torch"
+    estimator = estimator_for(backend, q.device.type)
     table, stats = select(
         q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale, estimator=estimator
     )

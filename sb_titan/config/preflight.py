@@ -32,8 +32,8 @@ def preflight(config: Any, path: str | Path | None) -> None:
     try:
         world = os.environ.get("WORLD_SIZE")
         if world is not None:
-            step_shape(config, int(world))
-        if config.parallelism.context_parallel_degree > 1:
+            step_shape(config, int(world))  # checks context parallelism too
+        elif config.parallelism.context_parallel_degree > 1:
             check_context_parallel(config)
         build_run_cost_model(config)
         check_assets(config.hf_assets_path)

@@ -18,7 +18,13 @@ from torchtitan.protocols.module import Module
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import POLICIES, Policy
-from sb_titan.attention.sparse import BACKENDS, Backend, resolve_backend, sparse_attention
+from sb_titan.attention.sparse import (
+    BACKENDS,
+    Backend,
+    estimator_for,
+    resolve_backend,
+    sparse_attention,
+)
 from sb_titan.compat.autograd import in_backward_recompute
 from sb_titan.context_parallel.attention import cp_attention
 from sb_titan.context_parallel.split import CPSplit
@@ -127,7 +133,7 @@ class SBAttention(Module):
             q, k, v, meta.doc_id, split, self.cp.rank, self.cp.group_name,
             budget=meta.budget if self.config.sparse else None,
             policy=self.config.policy, scale=scale, backend=backend,
-            estimator="triton" if backend == "triton" else "torch",
+            estimator=estimator_for(backend, q.device.type),
         )  # fmt: skip
         if stats is not None:  # a shard's density and recall sums; its share of the rows
             totals = stats.totals()
