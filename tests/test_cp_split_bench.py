@@ -15,7 +15,6 @@ from conftest import REPO
 
 from sb_titan.attention.layout import doc_ids_from_lengths
 from sb_titan.attention.selection import select_blocks
-from sb_titan.context_parallel.profile import BlockProfile
 from sb_titan.context_parallel.split import allowed_blocks
 
 _spec = importlib.util.spec_from_file_location("cp_bench", REPO / "bench" / "context_parallel.py")
@@ -56,14 +55,14 @@ def test_synthetic_qk_is_sparse_and_keeps_its_hot_blocks():
 
 
 def test_block_profile_learns_a_linear_profile():
-    prof = BlockProfile()
+    prof = bench.BlockProfile()
     n = np.arange(1, 3000, dtype=np.float64)
     prof.update(0.9, n, 3.0 + 0.1 * n)
     for x in (1.0, 5.0, 100.0, 1500.0, 2999.0, 6000.0):  # 6000: beyond the data
         assert prof.predict(0.9, np.array([x]))[0] == pytest.approx(min(3 + 0.1 * x, x), rel=1e-6)
     assert prof.predict(0.5, np.array([100.0]))[0] == pytest.approx(13.0)  # nearest budget
     with pytest.raises(ValueError, match="nothing observed"):
-        BlockProfile().predict(0.9, n)
+        bench.BlockProfile().predict(0.9, n)
 
 
 def _zigzag_loads_by_loop(cost: np.ndarray, degree: int) -> list[float]:
