@@ -34,6 +34,13 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def fixture_env(name: str) -> dict[str, str]:
+    """Environment that puts tests/fixtures/<name> (a sitecustomize.py patching the
+    trainer in every torchrun process) first on PYTHONPATH."""
+    path = REPO / "tests" / "fixtures" / name
+    return {"PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])}
+
+
 def torchrun(
     nproc: int,
     args: list[str],

@@ -4,11 +4,10 @@ and PP, and resumes bit for bit."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import REPO, from_seed, losses, sample_log, scalars, torchrun
+from conftest import fixture_env, from_seed, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -87,8 +86,7 @@ def test_cp2_resume_is_bit_exact(seed_ckpt, tmp_path):
         "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor", "1.0",
         "--sab.policy", "sab", "--dst.enabled", "--dataloader.sample_log",
     ]  # fmt: skip
-    clock = REPO / "tests" / "fixtures" / "deterministic_clock"
-    env = {"PYTHONPATH": os.pathsep.join([str(clock), os.environ.get("PYTHONPATH", "")])}
+    env = fixture_env("deterministic_clock")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(2, [*common, "--training.steps", "4"], straight, env=env)
     torchrun(2, [*common, "--training.steps", "2"], resumed, env=env)

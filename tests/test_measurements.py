@@ -3,12 +3,11 @@ and decoding must hand every rank exactly the values each rank measured."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-from conftest import REPO, losses, sample_log, torchrun
+from conftest import fixture_env, losses, sample_log, torchrun
 
 from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
 from sb_titan.runtime.measurements import (
@@ -87,8 +86,7 @@ def test_training_step_exchanges_no_pickled_objects(tmp_path):
     path sends tensors only; the check itself proves both ranks refit to the same
     budgets from the gathered tensors (at plan_lag 2, steps 4 and 5 plan with the models
     refit after steps 2 and 3)."""
-    guard = REPO / "tests" / "fixtures" / "no_object_gather"
-    env = {"PYTHONPATH": os.pathsep.join([str(guard), os.environ.get("PYTHONPATH", "")])}
+    env = fixture_env("no_object_gather")
     args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
     args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
     torchrun(2, args, tmp_path, env=env)

@@ -6,11 +6,10 @@ All runs start from one seed checkpoint, so runs with different parallel layouts
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, REPO, from_seed, losses, sample_log, scalars, torchrun
+from conftest import DEBUG_TOML, fixture_env, from_seed, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -107,8 +106,7 @@ def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path, recipe):
         "--dataloader.sample_log",
         *recipe,
     ]
-    clock = REPO / "tests" / "fixtures" / "deterministic_clock"
-    env = {"PYTHONPATH": os.pathsep.join([str(clock), os.environ.get("PYTHONPATH", "")])}
+    env = fixture_env("deterministic_clock")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     torchrun(1, [*common, "--training.steps", "6"], straight, env=env)
     torchrun(1, [*common, "--training.steps", "3"], resumed, env=env)
