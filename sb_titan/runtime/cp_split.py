@@ -53,6 +53,7 @@ class CPSplitter:
         refit identically on every rank, so all CP ranks (and all PP stages, which must
         pass the same shards along) cut the same split."""
         bs = self.block_size
+        doc_id = doc_id.cpu()  # the split is host work: one copy, not one per use
         density = None
         if self.sparse_layers:
             if cost_model is not None:
@@ -64,7 +65,7 @@ class CPSplitter:
         if self.headtail:
             split = zigzag_split(doc_id.shape[0], doc_id.shape[1], self.degree, bs)
         else:
-            documents = doc_id[:, ::bs].cpu().numpy()  # each block's first token's
+            documents = doc_id[:, ::bs].numpy()  # each block's first token's
             split = document_split(cost, documents, self.degree, bs)
         predicted = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
         return split, predicted
