@@ -29,7 +29,8 @@ def measurement_size(microbatches: int) -> int:
 
 
 def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
-    """One rank's measurements ({"dp", "pp", "cp", "seconds", "stats", "step_seconds"}) as a
+    """One rank's measurements ({"dp", "pp", "seconds", "stats", "step_seconds"}, and "cp"
+    under context parallelism: absent means 0) as a
     float64 vector of measurement_size(microbatches). A micro-batch this rank did not time
     or has no stats for is flagged absent (a PP stage or rank sees only some)."""
     rows = [[0.0] * _ROW for _ in range(microbatches)]
@@ -45,7 +46,7 @@ def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
         if len(v) != 4:
             raise ValueError(f"micro-batch {mb} stats: expected 4 values, got {len(v)}")
         row(mb)[2:7] = [1.0, *v]
-    header = [local["dp"], local["pp"], local["cp"], local["step_seconds"], microbatches]
+    header = [local["dp"], local["pp"], local.get("cp", 0), local["step_seconds"], microbatches]
     flat = [float(x) for x in header] + [x for row in rows for x in row]
     return torch.tensor(flat, dtype=torch.float64)
 
@@ -97,7 +98,7 @@ class StepMeasurements:
         rank_compute: dict[tuple[int, int], float] = {}
         sums: dict[tuple[int, int], list[float]] = {}
         cp_kept: dict[tuple[int, int], dict[int, float]] = {}
-        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g["cp"])):
+        for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g.get("cp", 0))):
             stage = (g["dp"], g["pp"])  # CP ranks of a stage wait for each other: max
             rank_compute[stage] = max(rank_compute.get(stage, 0.0), sum(g["seconds"].values()))
             for mb, s in g["seconds"].items():
@@ -109,7 +110,7 @@ class StepMeasurements:
                 for i, v in enumerate(values):
                     acc[i] += v
                 per_cp = cp_kept.setdefault(key, {})
-                per_cp[g["cp"]] = per_cp.get(g["cp"], 0.0) + values[0]
+                per_cp[g.get("cp", 0)] = per_cp.get(g.get("cp", 0), 0.0) + values[0]
         # CP shards' fp32 partial densities can sum past 1 by rounding
         density = {k: min(1.0, v[0] / v[1]) for k, v in sums.items() if v[1] > 0}
         recall = {k: (v[2], v[3]) for k, v in sums.items() if v[1] > 0}
