@@ -7,8 +7,8 @@
     python bench/accuracy.py --quick    # 2 variants x 3 steps, in the test suite
 
 As the paper does, every variant fine-tunes a *pretrained* model: the base is the debug
-model (2 layers) trained densely at 512 tokens on a recall-dense mix of the bundled
-corpus until it recalls key -> value facts. Each variant then fine-tunes it on
+model with 4 layers (debug4) trained densely at 256 tokens on a recall-dense mix of the
+bundled corpus until it recalls key -> value facts. Each variant then fine-tunes it on
 4096-token rows (train_configs/accuracy_cpu.toml, DP = 2 torchrun processes x 2
 micro-batches) for the same steps and seeds, and is scored on held-out documents of
 2048 and 4096 tokens (corpus seed 777, which no run reads): exact match of every
