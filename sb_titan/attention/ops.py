@@ -242,8 +242,7 @@ def block_sparse_attention(
     if backend not in OP_BACKENDS:
         raise ValueError(f"backend must be one of {OP_BACKENDS}, got {backend!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    out, _ = _attention_op(q, k, v, doc_id, *table[:4], table.block_size, scale, backend)
-    return out
+    return attention_forward(q, k, v, doc_id, table, scale, backend)[0]
 
 
 def attention_forward(

@@ -99,6 +99,7 @@ class StepMeasurements:
         sums: dict[tuple[int, int], list[float]] = {}
         cp_kept: dict[tuple[int, int], dict[int, float]] = {}
         for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g.get("cp", 0))):
+            cp = g.get("cp", 0)
             stage = (g["dp"], g["pp"])  # CP ranks of a stage wait for each other: max
             rank_compute[stage] = max(rank_compute.get(stage, 0.0), sum(g["seconds"].values()))
             for mb, s in g["seconds"].items():
@@ -110,7 +111,7 @@ class StepMeasurements:
                 for i, v in enumerate(values):
                     acc[i] += v
                 per_cp = cp_kept.setdefault(key, {})
-                per_cp[g.get("cp", 0)] = per_cp.get(g.get("cp", 0), 0.0) + values[0]
+                per_cp[cp] = per_cp.get(cp, 0.0) + values[0]
         # CP shards' fp32 partial densities can sum past 1 by rounding
         density = {k: min(1.0, v[0] / v[1]) for k, v in sums.items() if v[1] > 0}
         recall = {k: (v[2], v[3]) for k, v in sums.items() if v[1] > 0}
