@@ -33,7 +33,7 @@ def test_annotations_point_at_the_fact_and_the_recalled_value(fact_every, recall
             query = tok.decode(tokens[t.value_at - 8 : t.value_at].tolist())
             key = query.split(" recall key ")[-1].split(" :")[0].strip()
             fact = tok.decode(tokens[t.fact_at : t.value_at].tolist())
-            assert fact.startswith(f" key {key} maps to {value.strip()} .")
+            assert fact.startswith(f" key {key} : {value.strip()} .")
             assert (
                 tokens[t.value_at : t.value_at + t.value_len].tolist()
                 == tok.encode(f" {value.strip()}", add_special_tokens=False).ids

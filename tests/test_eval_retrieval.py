@@ -30,17 +30,17 @@ def test_probe_layout_matches_the_training_corpus():
         probe = builder.build(300, depth, np.random.default_rng(0))
         assert len(probe.ids) == 300 and probe.ids[0] == tok.token_to_id("<|bos|>")
         text = tok.decode(probe.ids[probe.fact_at :])
-        assert text.startswith(" key ") and " maps to " in text
+        assert text.startswith(" key ") and text.split()[2] == ":"
         key = text.split()[1]
         query = enc(f" recall key {key} :")
         assert probe.ids[-len(query) :] == query
         # the query + value tokenise exactly as the corpus's " recall key K : V ."
         value = tok.decode(probe.answer)
         assert enc(f" recall key {key} :{value} .") == query + probe.answer + enc(" .")
-        assert f" key {key} maps to{value} ." in tok.decode(probe.ids)
+        assert f" key {key} :{value} ." in tok.decode(probe.ids)
     first = builder.build(300, 0.0, np.random.default_rng(0))
     last = builder.build(300, 1.0, np.random.default_rng(0))
-    assert first.fact_at == 1 and last.fact_at + len(enc(" key 1 maps to 2 .")) <= 300
+    assert first.fact_at == 1 and last.fact_at + len(enc(" key 1 : 2 .")) <= 300
 
 
 def test_exact_match_scoring(monkeypatch):

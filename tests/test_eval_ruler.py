@@ -38,7 +38,7 @@ from sb_titan.eval.ruler import (
 from sb_titan.tools.eval import main as eval_main
 
 DEBUG_TOML = Path(__file__).resolve().parents[1] / "train_configs" / "debug_cpu.toml"
-FACT = re.compile(r"key (\d+) maps to (\d+) \.")
+FACT = re.compile(r"(?<!recall )key (\d+) : (\d+) \.")
 RULER_FACT = re.compile(r"One of the special magic (?:numbers|uuids) for (\S+) is: (\S+)\.")
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
@@ -128,7 +128,7 @@ def test_corpus_prompt(tok, task):
     assert all(len(v) == 4 for v in s.references)  # no shorter number hides in a longer one
     # depths: essay needles sit before filler word int(n * depth / 100), depth from DEPTHS
     body = text[: text.rindex(" recall key")]
-    chunks = re.split(r" ?key \d+ maps to \d+ \.", body)
+    chunks = re.split(r" ?key \d+ : \d+ \.", body)
     if spec.haystack == "essay":
         assert len(set(s.depths)) == len(s.depths) and set(s.depths) <= set(DEPTHS)
         before = np.cumsum([len(c.split()) for c in chunks[:-1]]).tolist()

@@ -22,11 +22,18 @@ _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]
 _VOWELS = ["a", "e", "i", "o", "u"]
 WORDS = [a + v + b + w for a, v, b, w in itertools.product(_ONSETS, _VOWELS, _ONSETS[:6], "ao")]
 FACT_EVERY = 256  # one key-value fact per this many tokens
+# A fact is phrased as its recall is (" recall key K : V ."), so recalling it is copying
+# what followed the same key earlier: with " key K maps to V ." the key sits 3 tokens
+# before the value in the fact but 1 in the query, and the debug4 base took ~2x the
+# steps to start matching keys (docs/eval.md, "Pilot").
+FACT = " key {key} : {value} ."
+QUERY = " recall key {key} :"
 MIN_FACT_LEN = 48  # documents shorter than this are plain filler
 
 
 def training_text() -> Iterator[str]:
-    """Text the tokenizer is trained on: the corpus vocabulary and task phrases."""
+    """Text the tokenizer is trained on: the corpus vocabulary and task phrases (the
+    phrasing of the bundled tokenizer's build; it tokenises FACT the same way)."""
     rng = np.random.default_rng(0)
     for _ in range(2000):
         words = rng.choice(WORDS, 64)
@@ -37,7 +44,7 @@ def training_text() -> Iterator[str]:
 
 @dataclass(frozen=True)
 class Recall:
-    """One recall task of a document: the fact " key K maps to V ." starts at token
+    """One recall task of a document: the fact " key K : V ." starts at token
     `fact_at`; the recalled value's `value_len` tokens start at `value_at`."""
 
     fact_at: int
@@ -129,9 +136,11 @@ class SyntheticCorpus:
         n_facts = max(1, n // self.fact_every)
         keys = rng.choice(10000, n_facts, replace=False)
         values = rng.integers(0, 10000, n_facts)
-        facts = [self._encode(f" key {k} maps to {v} .") for k, v in zip(keys, values, strict=True)]
+        facts = [
+            self._encode(FACT.format(key=k, value=v)) for k, v in zip(keys, values, strict=True)
+        ]
         asked = rng.choice(n_facts, min(n_facts, self.recalls), replace=False)
-        queries = [self._encode(f" recall key {keys[i]} : {values[i]} .") for i in asked]
+        queries = [self._encode(QUERY.format(key=keys[i]) + f" {values[i]} .") for i in asked]
         body_len = n - 1 - sum(map(len, queries))
         kept = list(range(n_facts))
         if body_len < sum(map(len, facts)):  # too short for all facts: keep just the queried ones

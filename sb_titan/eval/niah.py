@@ -8,7 +8,7 @@ needle counts, depths and 128 generated tokens. Two phrasings:
   asked), keys adjective-noun words, values 7-digit numbers or UUIDs, as RULER draws
   them; for real (e.g. Qwen2.5) tokenizers.
 - `corpus`: the bundled synthetic corpus's own phrasing, so the tiny models trained on
-  it can be scored: needle " key K maps to V .", question " recall key K :", keys
+  it can be scored: needle " key K : V .", question " recall key K :", keys
   0-9999 and values 1000-9999 (4 digits, so substring scoring cannot find a shorter
   number inside a longer one); every key/value type is a number here (the corpus has no
   words or UUIDs), so niah_single_2/3 and niah_multikey_2/3 differ only in their draws.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sb_titan.data.synthetic import WORDS
+from sb_titan.data.synthetic import FACT, QUERY, WORDS
 
 
 class RulerInputError(ValueError):
@@ -206,7 +206,7 @@ class NiahBuilder:
 
     def needle(self, key: str, value: str, task: NiahTask) -> str:
         if self.template == "corpus":
-            return f"key {key} maps to {value} ."
+            return FACT.format(key=key, value=value).strip()
         return RULER_NEEDLE.format(type_needle_v=task.value_type, key=key, value=value)
 
     def _draw(self, task: NiahTask, rng: np.random.Generator) -> _Draw:
@@ -273,7 +273,7 @@ class NiahBuilder:
     # --- prompt --------------------------------------------------------------------
     def _text(self, task: NiahTask, context: str, queries: list[str]) -> str:
         if self.template == "corpus":
-            return f" {context} recall key {queries[0]} :"
+            return f" {context}" + QUERY.format(key=queries[0])
         template = RULER_TEMPLATE + RULER_ANSWER_PREFIX
         type_v = task.value_type
         if task.num_queries * task.num_values == 1:  # RULER's singular wording, verbatim
@@ -289,7 +289,7 @@ class NiahBuilder:
             return TOKENS_TO_GENERATE, []
         if len(draw.queries) == 1:
             return CORPUS_TOKENS_PER_ANSWER * len(draw.refs), []
-        follow = [self._dot + self._enc(f" recall key {k} :") for k in draw.queries[1:]]
+        follow = [self._dot + self._enc(QUERY.format(key=k)) for k in draw.queries[1:]]
         return CORPUS_TOKENS_PER_ANSWER, follow
 
     def build(self, name: str, length: int, seed: np.random.SeedSequence) -> NiahSample:

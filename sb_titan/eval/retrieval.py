@@ -1,7 +1,7 @@
 """Key-value retrieval probe by context length and fact depth (CPU-sized models).
 
 Documents use the synthetic training corpus's own vocabulary and phrasing: filler
-words, one fact " key K maps to V ." at relative depth d of the filler, and the query
+words, one fact " key K : V ." at relative depth d of the filler, and the query
 " recall key K :" at the end. The model must greedily produce the value's tokens
 exactly. Depth 0 puts the fact right after BOS, depth 1 right before the query.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sb_titan.data.synthetic import WORDS
+from sb_titan.data.synthetic import FACT, QUERY, WORDS
 from sb_titan.data.tokenizer import BOS
 from sb_titan.eval.generate import greedy_generate
 
@@ -55,8 +55,8 @@ class ProbeBuilder:
     def build(self, length: int, depth: float, rng: np.random.Generator) -> Probe:
         """A probe of exactly `length` tokens (BOS + filler + fact + filler + query)."""
         key, value = (int(x) for x in rng.integers(0, 10000, 2))
-        fact = self._enc(f" key {key} maps to {value} .")
-        query = self._enc(f" recall key {key} :")
+        fact = self._enc(FACT.format(key=key, value=value))
+        query = self._enc(QUERY.format(key=key))
         n_filler = length - 1 - len(fact) - len(query)
         if n_filler < 0:
             raise ValueError(f"retrieval: length {length} is too short for a fact and a query")

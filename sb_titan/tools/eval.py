@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "--template",
         choices=("corpus", "ruler"),
         default=None,
-        help="needle/question phrasing: corpus (' key K maps to V .', for models trained on "
+        help="needle/question phrasing: corpus (' key K : V .', for models trained on "
         "the bundled corpus) or ruler (RULER's English); default: corpus with the bundled "
         "tokenizer, else ruler",
     )
