@@ -194,6 +194,9 @@ class SBDataLoader(BaseDataLoader):
         synthetic_recalls: int = 2
         """Facts recalled at the end of each synthetic document (a recall-dense mix, e.g.
         fact_every 64 and recalls 16, teaches a base model the task in fewer steps)."""
+        synthetic_doc_len: int = 0
+        """0: longtail-v1 document lengths; N: every synthetic document is N <= seq_len
+        tokens (the fixed-length stages of a pretraining curriculum)."""
         prefetch_factor: int = 2
         sample_log: bool = False
         """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
@@ -299,10 +302,17 @@ def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:
     if config.dataset == "synthetic":
         from sb_titan.data.synthetic import SyntheticCorpus
 
+        doc_len = config.synthetic_doc_len
+        if not 0 <= doc_len <= seq_len:
+            raise ValueError(
+                f"dataloader.synthetic_doc_len: {doc_len} must be 0 (longtail-v1 lengths) or "
+                f"a document length <= training.seq_len ({seq_len})"
+            )
         return SyntheticCorpus(
             config.synthetic_docs,
             seq_len,
             seed=config.synthetic_seed,
+            lengths=np.full(config.synthetic_docs, doc_len) if doc_len else None,
             fact_every=config.synthetic_fact_every,
             recalls=config.synthetic_recalls,
         )

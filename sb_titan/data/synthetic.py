@@ -77,7 +77,10 @@ class SyntheticCorpus:
         mix = (
             "" if (fact_every, recalls) == (FACT_EVERY, 2) else f", facts/{fact_every}, r={recalls}"
         )
-        self.name = f"synthetic-longtail-v1(n={num_docs}, R={row_len}, seed={seed}{mix})"
+        shape = "longtail-v1" if lengths is None else "given-lengths"
+        if lengths is not None and len(set(lengths.tolist())) == 1:
+            shape = f"fixed-{int(lengths[0])}"
+        self.name = f"synthetic-{shape}(n={num_docs}, R={row_len}, seed={seed}{mix})"
         self.seed = seed
         self.fact_every = fact_every
         self.recalls = recalls
