@@ -48,7 +48,39 @@ PLOT = REPO / "docs" / "accuracy.png"
 HELDOUT_SEED = 777
 HELDOUT_LENGTHS = (2048, 4096)
 BETA0 = 0.9
-PRETRAIN_STEPS = 4000  # train_configs/accuracy_base_cpu.toml
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the base's curriculum: fixed-length documents of `seq_len` tokens with
+    a fact every `fact_every` tokens, `recalls` of them recalled; `rows` per rank."""
+
+    seq_len: int
+    fact_every: int
+    recalls: int
+    rows: int
+    steps: int
+
+    def overrides(self, seed: int) -> list[str]:
+        return [
+            "--training.seq_len", str(self.seq_len),
+            "--training.local_batch_size", str(self.rows),
+            "--training.steps", str(self.steps),
+            "--dataloader.synthetic_doc_len", str(self.seq_len),
+            "--dataloader.synthetic_fact_every", str(self.fact_every),
+            "--dataloader.synthetic_recalls", str(self.recalls),
+            "--dataloader.synthetic_seed", str(seed),
+        ]  # fmt: skip
+
+
+# The base's curriculum (docs/eval.md, "Pilot"): the key match forms on short documents
+# with few facts, then the same circuit is trained to find its fact among more, farther
+# away. Each stage starts from the last one's weights (a fresh optimizer and warm-up).
+STAGES = (
+    Stage(seq_len=128, fact_every=32, recalls=4, rows=8, steps=3000),
+    Stage(seq_len=512, fact_every=64, recalls=8, rows=2, steps=1000),
+    Stage(seq_len=2048, fact_every=128, recalls=8, rows=1, steps=300),
+)
 
 
 @dataclass(frozen=True)
@@ -412,35 +444,42 @@ def write_report(results: dict, chosen: list[Variant]) -> None:
 def pretrain(args: argparse.Namespace) -> None:
     """The dense base model: one command, reproducible up to CPU floating-point order.
 
-    The run follows a PRETRAIN_STEPS-step schedule and the base is its checkpoint at
-    step `--take` (the run is stopped there): how far it must go was read off the
-    pilot's held-out recall, and the schedule stays the same whatever is taken."""
+    Runs the STAGES in order (each resumable, each from the last one's final weights),
+    scores held-out recall after each, and exports the last stage's model to BASE."""
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.eval.heldout import heldout_documents, score_heldout
     from sb_titan.tools.export import export_folder
 
-    dump = Path(args.root) / "pretrain"
-    take = args.take
     t0 = time.perf_counter()
-    if not finished(dump, take):
-        dump.mkdir(parents=True, exist_ok=True)
-        torchrun(PRETRAIN, dump, [], dump / "train.log", until=take)
-    loaded = load_from_config(dump / "checkpoint" / f"step-{take}", PRETRAIN, "dense")
+    previous: Path | None = None
     scores = {}
-    for length in (512, 1024):
-        report = score_heldout(loaded.model, heldout_documents([length] * 64, HELDOUT_SEED))
-        scores[f"heldout_{length}"] = {
+    for i, stage in enumerate(STAGES):
+        dump = Path(args.root) / "pretrain" / f"stage{i}_{stage.seq_len}"
+        dump.mkdir(parents=True, exist_ok=True)
+        extra = stage.overrides(seed=i)
+        if previous is not None:
+            extra += ["--checkpoint.initial_load_path", str(previous)]
+        if not finished(dump, stage.steps):
+            print(f"stage {i}: {stage}", flush=True)
+            torchrun(PRETRAIN, dump, extra, dump / "train.log")
+        previous = dump / "checkpoint" / f"step-{stage.steps}"
+        loaded = load_from_config(previous, PRETRAIN, "dense", stage.overrides(seed=i))
+        mix = {"fact_every": stage.fact_every, "recalls": stage.recalls}
+        docs = heldout_documents([stage.seq_len] * 64, HELDOUT_SEED, **mix)
+        report = score_heldout(loaded.model, docs)
+        scores[f"stage{i}_heldout_{stage.seq_len}"] = {
             "exact_match": round(report.exact_match(), 4),
             "loss": round(report.loss, 4),
             "recalls": len(report.items),
         }
+        print(f"stage {i} held-out: {scores[f'stage{i}_heldout_{stage.seq_len}']}", flush=True)
     if BASE.exists():
         shutil.rmtree(BASE)
     export_folder(loaded, BASE)
     recipe = {
-        "command": f"python bench/accuracy.py pretrain --take {take}",
+        "command": "python bench/accuracy.py pretrain",
         "config": str(PRETRAIN.relative_to(REPO)),
-        "taken_at_step": take,
+        "stages": [vars(stage) for stage in STAGES],
         "wall_s": round(time.perf_counter() - t0),
         **scores,
         "model_sha256": sha256(BASE / "model.safetensors"),
@@ -488,7 +527,6 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=64, help="held-out documents")
     parser.add_argument("--repeats", type=int, default=2, help="timing: interleaved repeats")
     parser.add_argument("--base", default=str(BASE), help="the base HF folder to fine-tune")
-    parser.add_argument("--take", type=int, default=PRETRAIN_STEPS, help="pretrain: base step")
     parser.add_argument("--root", default="/tmp/sb_accuracy", help="run folders")
     parser.add_argument("--out", default=str(OUT), help="results JSON")
     args = parser.parse_args()

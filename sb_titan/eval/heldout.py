@@ -48,9 +48,13 @@ class HeldoutReport:
         return float(np.mean(picked)) if picked else float("nan")
 
 
-def heldout_documents(lengths: list[int], seed: int) -> list[tuple[np.ndarray, list[Recall]]]:
-    """Documents of the given lengths from corpus seed `seed`, with their recall tasks."""
-    corpus = SyntheticCorpus(len(lengths), max(lengths), seed=seed, lengths=np.array(lengths))
+def heldout_documents(
+    lengths: list[int], seed: int, **mix: int
+) -> list[tuple[np.ndarray, list[Recall]]]:
+    """Documents of the given lengths from corpus seed `seed`, with their recall tasks;
+    `mix`: the corpus's fact_every / recalls (default: the default mix)."""
+    n = len(lengths)
+    corpus = SyntheticCorpus(n, max(lengths), seed=seed, lengths=np.array(lengths), **mix)
     return [corpus.annotated(i) for i in range(len(lengths))]
 
 
