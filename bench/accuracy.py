@@ -222,7 +222,7 @@ def run_study(args: argparse.Namespace) -> None:
     if not (base / "model.safetensors").is_file():
         sys.exit(f"{base}: no base checkpoint; `python bench/accuracy.py pretrain` makes it")
     quick = args.quick
-    steps = args.steps or (3 if quick else 30)
+    steps = args.steps or (3 if quick else 40)
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
     sweep = tuple(float(b) for b in args.sweep.split(",")) if args.sweep else ()
     chosen = variants(args.low, () if quick else sweep)
