@@ -85,3 +85,22 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
     again = _quick(out, tmp_path / "runs", base, timeout=120)
     assert again.returncode == 0 and "[1/2]" not in again.stdout
     assert json.loads(out.read_text())["runs"] == runs
+
+
+def test_pretrain_runs_its_stages_in_order_and_exports_the_last(tmp_path, monkeypatch):
+    """Two tiny stages: the second starts from the first's final weights; the base is the
+    second's model, exported with the recipe (command, stages, held-out scores, sha256)."""
+    import argparse
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    stages = (bench.Stage(128, 32, 4, rows=2, steps=3), bench.Stage(256, 64, 4, rows=1, steps=2))
+    monkeypatch.setattr(bench, "STAGES", stages)
+    monkeypatch.setattr(bench, "BASE", tmp_path / "base")
+    bench.pretrain(argparse.Namespace(root=str(tmp_path / "runs")))
+    first = tmp_path / "runs" / "pretrain" / "stage0_128" / "checkpoint" / "step-3"
+    second_log = (tmp_path / "runs" / "pretrain" / "stage1_256" / "train.log").read_text()
+    assert f"Loading the checkpoint from {first}" in second_log
+    recipe = json.loads((tmp_path / "base" / "recipe.json").read_text())
+    assert [s["seq_len"] for s in recipe["stages"]] == [128, 256]
+    assert set(recipe) >= {"stage0_heldout_128", "stage1_heldout_256", "model_sha256"}
+    assert recipe["model_sha256"] == bench.sha256(tmp_path / "base" / "model.safetensors")
