@@ -93,7 +93,10 @@ class Variant:
 
 def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
     """The study's variants; `low` is the static budget that hurts (found by the sweep)."""
-    static = lambda b: ("--sab.policy", "sequential", "--dst.beta0", str(b))  # noqa: E731
+
+    def static(b: float) -> tuple[str, ...]:  # below DST's default floor (0.5): lower it too
+        return ("--sab.policy", "sequential", "--dst.beta0", str(b), "--dst.beta_min", str(b))
+
     sab = ("--sab.policy", "sab")
     dst = (*sab, "--dst.enabled", "--dst.beta0", str(BETA0))
     out = [

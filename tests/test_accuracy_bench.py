@@ -104,3 +104,14 @@ def test_pretrain_runs_its_stages_in_order_and_exports_the_last(tmp_path, monkey
     assert [s["seq_len"] for s in recipe["stages"]] == [128, 256]
     assert set(recipe) >= {"stage0_heldout_128", "stage1_heldout_256", "model_sha256"}
     assert recipe["model_sha256"] == bench.sha256(tmp_path / "base" / "model.safetensors")
+
+
+def test_every_variant_of_the_study_is_a_valid_config():
+    """Each variant's overrides parse against the fine-tuning config (a static budget
+    below DST's default floor must lower the floor with it)."""
+    from sb_titan.config.toml import load_config
+
+    for v in bench.variants(low=0.1, sweep=(0.5, 0.3)):
+        config = load_config(bench.FINETUNE, list(v.overrides))
+        if v.eval_budget is not None:
+            assert config.dst.beta0 == v.eval_budget and config.sparse_attention.enabled

@@ -55,7 +55,7 @@ def heldout_documents(
     `mix`: the corpus's fact_every / recalls (default: the default mix)."""
     n = len(lengths)
     corpus = SyntheticCorpus(n, max(lengths), seed=seed, lengths=np.array(lengths), **mix)
-    return [corpus.annotated(i) for i in range(len(lengths))]
+    return [corpus.annotated(i) for i in range(n)]
 
 
 def distance_bucket(distance: int, edges: tuple[int, ...] = DISTANCE_BUCKETS) -> str:
