@@ -1,18 +1,19 @@
 """The accuracy half of SparseBalance: what sparse training and DST do to what a model learns.
 
-    python bench/accuracy.py pretrain --take K  # the dense base -> bench/accuracy_base
+    python bench/accuracy.py pretrain   # the dense base -> bench/accuracy_base (shipped)
     python bench/accuracy.py            # the fine-tuning study (resumable, appends per run)
     python bench/accuracy.py timing     # step time per variant, in a quiet separate run
     python bench/accuracy.py report     # table + plots from bench/results/accuracy.json
     python bench/accuracy.py --quick    # 2 variants x 3 steps, in the test suite
 
 As the paper does, every variant fine-tunes a *pretrained* model: the base is the debug
-model with 4 layers (debug4) trained densely at 256 tokens on a recall-dense mix of the
-bundled corpus until it recalls key -> value facts. Each variant then fine-tunes it on
-4096-token rows (train_configs/accuracy_cpu.toml, DP = 2 torchrun processes x 2
-micro-batches) for the same steps and seeds, and is scored on held-out documents of
-2048 and 4096 tokens (corpus seed 777, which no run reads): exact match of every
-recalled value, by fact-to-recall distance (sb_titan.eval.heldout), and held-out loss.
+model with 4 layers (debug4) trained densely in a curriculum (STAGES: 128 -> 512 -> 2048
+tokens) on recall-dense mixes of the bundled corpus until it recalls key -> value facts.
+Each variant then fine-tunes it on 4096-token rows (train_configs/accuracy_cpu.toml,
+DP = 2 torchrun processes x 2 micro-batches) for the same steps and seeds, and is scored
+on held-out documents of 2048 and 4096 tokens (corpus seed 777, which no run reads):
+exact match of every recalled value, by fact-to-recall distance (sb_titan.eval.heldout),
+and held-out loss.
 Intervals are 95% bootstrap intervals over seeds and held-out items; differences
 between variants are paired (same seeds, same items).
 """
