@@ -460,23 +460,24 @@ def pretrain(args: argparse.Namespace) -> None:
     for i, stage in enumerate(STAGES):
         dump = Path(args.root) / "pretrain" / f"stage{i}_{stage.seq_len}"
         dump.mkdir(parents=True, exist_ok=True)
-        extra = stage.overrides(seed=i)
-        if previous is not None:
-            extra += ["--checkpoint.initial_load_path", str(previous)]
+        overrides = stage.overrides(seed=i)
         if not finished(dump, stage.steps):
+            start = [] if previous is None else ["--checkpoint.initial_load_path", str(previous)]
             print(f"stage {i}: {stage}", flush=True)
-            torchrun(PRETRAIN, dump, extra, dump / "train.log")
+            torchrun(PRETRAIN, dump, overrides + start, dump / "train.log")
         previous = dump / "checkpoint" / f"step-{stage.steps}"
-        loaded = load_from_config(previous, PRETRAIN, "dense", stage.overrides(seed=i))
+        loaded = load_from_config(previous, PRETRAIN, "dense", overrides)
         mix = {"fact_every": stage.fact_every, "recalls": stage.recalls}
-        docs = heldout_documents([stage.seq_len] * 64, HELDOUT_SEED, **mix)
-        report = score_heldout(loaded.model, docs)
-        scores[f"stage{i}_heldout_{stage.seq_len}"] = {
+        report = score_heldout(
+            loaded.model, heldout_documents([stage.seq_len] * 64, HELDOUT_SEED, **mix)
+        )
+        score = {
             "exact_match": round(report.exact_match(), 4),
             "loss": round(report.loss, 4),
             "recalls": len(report.items),
         }
-        print(f"stage {i} held-out: {scores[f'stage{i}_heldout_{stage.seq_len}']}", flush=True)
+        scores[f"stage{i}_heldout_{stage.seq_len}"] = score
+        print(f"stage {i} held-out: {score}", flush=True)
     if BASE.exists():
         shutil.rmtree(BASE)
     export_folder(loaded, BASE)

@@ -79,14 +79,12 @@ def main() -> None:
     from sb_titan.data.synthetic import SyntheticCorpus
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.eval.generate import uniform_meta
+    from sb_titan.eval.heldout import heldout_documents
 
     L, n_train = args.seq_len, (args.steps + 1) * args.rows
     mix = {"fact_every": args.fact_every, "recalls": args.recalls}
     train = SyntheticCorpus(n_train, L, seed=1, lengths=np.full(n_train, L), **mix)
-    held = SyntheticCorpus(
-        args.heldout, L, seed=HELDOUT_SEED, lengths=np.full(args.heldout, L), **mix
-    )
-    docs = [held.annotated(i) for i in range(args.heldout)]
+    docs = heldout_documents([L] * args.heldout, HELDOUT_SEED, **mix)
     config = REPO / "train_configs" / "debug_cpu.toml"
     model = load_from_config(None, config, "dense", ["--model.flavor", args.flavor]).model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
