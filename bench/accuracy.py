@@ -1,6 +1,6 @@
 """The accuracy half of SparseBalance: what sparse training and DST do to what a model learns.
 
-    python bench/accuracy.py pretrain   # the dense base -> bench/accuracy_base (shipped)
+    python bench/accuracy.py pretrain   # the dense base -> bench/accuracy_base (32 min)
     python bench/accuracy.py            # the fine-tuning study (resumable, appends per run)
     python bench/accuracy.py timing     # step time per variant, in a quiet separate run
     python bench/accuracy.py report     # table + plots from bench/results/accuracy.json

@@ -1,4 +1,4 @@
-"""bench/accuracy.py: `--quick` fine-tunes the shipped base (2 variants, real torchrun) and
+"""bench/accuracy.py: `--quick` fine-tunes the pretrained base (2 variants, real torchrun) and
 scores it; the bootstrap intervals behave as intervals. No accuracy figure of the full
 study is asserted here; the base must recall within its pretraining context."""
 
@@ -51,7 +51,7 @@ def _quick(out, root, base, timeout: int) -> subprocess.CompletedProcess:
 
 
 def _random_base(path):
-    """A randomly initialised base in the shipped base's format (sb-export's files)."""
+    """A randomly initialised base in the pretrained base's format (sb-export's files)."""
     from sb_titan.data.tokenizer import TOKENIZER_DIR
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.tools.export import export_folder
@@ -61,10 +61,10 @@ def _random_base(path):
 
 
 def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
-    """With the shipped base when there is one (then it must still recall), else with a
-    random base of the same shape (the pipeline only)."""
-    shipped = (bench.BASE / "model.safetensors").is_file()
-    base = bench.BASE if shipped else _random_base(tmp_path / "base")
+    """With the base `pretrain` made when there is one (then it must still recall), else
+    with a random base of the same shape (the pipeline only)."""
+    pretrained = (bench.BASE / "model.safetensors").is_file()
+    base = bench.BASE if pretrained else _random_base(tmp_path / "base")
     out = tmp_path / "accuracy.json"
     proc = _quick(out, tmp_path / "runs", base, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -79,7 +79,7 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
     assert len(sparse["series"]["density"]) == 3 and sparse["sparse"]["budget"] == 0.9
     assert "sparse" not in runs["dense/seed0"]
     assert "budget_mean" not in runs["dense/seed0"]["series"]  # no budget applies to dense
-    if shipped:  # fine-tuning started from the base, not from a random init: it recalls
+    if pretrained:  # fine-tuning started from the base, not from a random init: it recalls
         assert runs["dense/seed0"]["dense"]["em"] >= 0.3
     # resumable: a second invocation finds every run done and trains nothing
     again = _quick(out, tmp_path / "runs", base, timeout=120)

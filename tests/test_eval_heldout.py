@@ -1,5 +1,6 @@
 """Held-out recall scoring: the corpus's task annotations, and teacher-forced exact match
-against greedy decoding (the definition it stands in for), on the shipped base model."""
+against greedy decoding (the definition it stands in for), on the base model
+that `python bench/accuracy.py pretrain` makes."""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def test_distance_buckets():
     assert distance_bucket(5000) == ">=4096"
 
 
-@pytest.mark.skipif(not (BASE / "model.safetensors").is_file(), reason="no shipped base model")
+@pytest.mark.skipif(
+    not (BASE / "model.safetensors").is_file(),
+    reason="no base model: python bench/accuracy.py pretrain makes it",
+)
 def test_teacher_forced_exact_match_equals_greedy_decoding_on_the_base_model():
     torch.manual_seed(0)
     model = load_from_hf(BASE, "dense").model
