@@ -56,7 +56,7 @@ from sb_titan.attention.estimator import (  # noqa: E402
     sink_blocks,
 )
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions  # noqa: E402
-from sb_titan.attention.selection import AttnStats  # noqa: E402
+from sb_titan.attention.selection import STATS_SIZE, AttnStats  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "memory.json"
 CLUSTER_CONFIGS = ("qwen2.5_0.5b_64k.toml", "qwen2.5_3b_128k.toml")
@@ -231,7 +231,7 @@ def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCa
             table = _fake_selection(q.detach(), k.detach(), doc_id, block_size, beta)
         out = _FakeAttention.apply(q, k, v, False, doc_id, *table)
         zeros = torch.zeros(q.shape[0], device=q.device)
-        return out, AttnStats(density=zeros, recall=zeros, tokens=zeros)
+        return out, AttnStats.estimated(density=zeros, recall=zeros, tokens=zeros)
 
     def dense(q, k, v, doc_id, scale=None):
         calls.dense += 1
@@ -344,7 +344,7 @@ def trace_slice(
                 doc_id=doc_ids_from_positions(positions),
                 budget=torch.full((batch,), beta),
                 microbatch=torch.tensor(0),
-                stats=torch.zeros(4),
+                stats=torch.zeros(STATS_SIZE),
             )
             timeline.mark("start")
             pred = model(tokens, positions=positions, attention_masks=meta)

@@ -21,6 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.ops import _attention_op, _select_blocks_op, select
+from sb_titan.attention.recall import sample_positions
+from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.models.qwen2_5.attention import SBAttention
 
 
@@ -51,7 +53,8 @@ class _CheckpointedAttention(torch.nn.Module):
 
     def __init__(self, policy: str) -> None:
         super().__init__()
-        self.attn = SBAttention(SBAttention.Config(policy=policy, block_size=64))
+        config = SBAttention.Config(policy=policy, block_size=64, true_recall_rate=1.0)
+        self.attn = SBAttention(config)
 
     def forward(self, q, k, v, meta):
         return checkpoint(self.attn, q, k, v, attention_masks=meta, use_reentrant=False)
@@ -65,15 +68,20 @@ def test_compiled_attention_matches_eager_and_counts_stats_once(policy, budget):
         if mode == "compiled":
             module = torch.compile(module, fullgraph=True)  # a graph break is an error
         q, k, v, doc_id = _inputs()
-        stats = torch.zeros(4)
+        stats = torch.zeros(STATS_SIZE)
         meta = AttnMeta(doc_id, torch.full((2,), budget), torch.tensor(0), stats)
         out = module(q, k, v, meta)
         out.pow(2).sum().backward()
         results[mode] = (out.detach(), q.grad, k.grad, v.grad, stats)
     for eager, compiled in zip(*results.values(), strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
-    # [density sum, rows, ...]: one layer, two rows, counted once despite the recompute
-    assert results["compiled"][-1][1].item() == 2
+    # [density sum, rows, ...]: one layer, two rows, counted once despite the recompute;
+    # so are the sampled true-recall queries (every q head of each sampled position)
+    q, _, _, doc_id = _inputs()
+    sampled = int((sample_positions(doc_id, 64, 1.0) >= 0).sum()) * q.shape[2]  # [B, L, H, D]
+    for mode in ("eager", "compiled"):
+        stats = results[mode][-1]
+        assert stats[1].item() == 2 and stats[6].item() == sampled > 0, (mode, stats)
 
 
 # ------------------------------------------------------------------- training (torchrun)
@@ -112,7 +120,7 @@ def test_compiled_sparse_training_with_checkpointing_tracks_eager(tmp_path):
     assert len(eager) == len(compiled) == 4
     assert abs(eager[0] - compiled[0]) < 1e-5
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4, (eager, compiled)
-    for tag in ("sparsity/density", "sparsity/recall"):
+    for tag in ("sparsity/density", "sparsity/recall", "sparsity/true_recall"):
         a, b = scalars(runs["eager"], tag), scalars(runs["compiled"], tag)
         assert a and a.keys() == b.keys()
         assert all(0 < a[s] < 1 and abs(a[s] - b[s]) < 1e-4 for s in a), (tag, a, b)

@@ -51,6 +51,11 @@ def test_cp2_trains_exactly_like_one_process(seed_ckpt, cp2_run, tmp_path):
     _same_run(tmp_path, cp2_run)
     density = scalars(cp2_run, "sparsity/density")
     assert density and max(density.values()) < 1.0
+    # each CP rank samples true recall on its own query blocks: together, the row's
+    for tag in ("sparsity/true_recall", "sparsity/top_key_hit"):
+        one, cp2 = scalars(tmp_path, tag), scalars(cp2_run, tag)
+        assert one and one.keys() == cp2.keys(), tag
+        assert all(abs(one[s] - cp2[s]) < 1e-5 for s in one), (tag, one, cp2)
     for what in ("kept", "predicted"):
         ratio = scalars(cp2_run, f"balance/cp_{what}_imbalance")
         assert sorted(ratio) == [1, 2, 3] and all(1.0 <= v < 2.0 for v in ratio.values())

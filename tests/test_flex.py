@@ -17,7 +17,7 @@ from test_sparse_attention import make_doc_id
 
 from sb_titan.attention.flex import _INDEX_ATTRS, block_mask, block_mask_bytes, flex_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import select_blocks
+from sb_titan.attention.selection import STATS_SIZE, select_blocks
 from sb_titan.attention.sparse import resolve_backend, sparse_attention
 from sb_titan.models.qwen2_5.attention import SBAttention
 
@@ -134,7 +134,7 @@ def test_flex_inside_a_compiled_block_matches_eager():
         module = SBAttention(SBAttention.Config(policy="mass", block_size=64, backend="flex"))
         if compiled:
             module = torch.compile(module, fullgraph=True)  # a graph break is an error
-        stats = torch.zeros(4)
+        stats = torch.zeros(STATS_SIZE)
         meta = AttnMeta(doc_id, torch.tensor([0.3, 0.5, 0.8]), torch.tensor(0), stats)
         with torch.no_grad():
             outs.append((module(q, k, v, attention_masks=meta, scale=SCALE), stats))

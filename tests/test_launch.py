@@ -37,12 +37,17 @@ def test_default_run(tmp_path):
     assert last < first - 0.5, loss
     density = scalars(tmp_path, "sparsity/density")
     assert density and all(0 < d <= 1 for d in density.values())
+    # true recall of the sampled queries and top-key hits, logged beside estimated recall
+    for tag in ("sparsity/true_recall", "sparsity/top_key_hit"):
+        got = scalars(tmp_path, tag)
+        assert got.keys() == density.keys() and all(0 < v <= 1 for v in got.values()), tag
     # The console: every step line carries the recipe's signals and, on CPU, neither
     # memory (CUDA allocator statistics) nor MFU; TorchTitan's harmless messages are gone.
     out = proc.stdout + proc.stderr
     lines = [line for line in out.splitlines() if "step: " in line and "loss: " in line]
     assert len(lines) == len(loss), lines[:3]
-    for field in ("imbalance: ", "bubble: ", "budget: ", "density: "):
+    fields = ("imbalance: ", "bubble: ", "budget: ", "density: ", "true recall: ", "top-key hit: ")
+    for field in fields:
         assert all(field in line for line in lines), field
     if not torch.cuda.is_available():
         assert not [line for line in lines if "memory" in line or "mfu" in line]

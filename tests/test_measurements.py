@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import fixture_env, losses, sample_log, torchrun
 
+from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
 from sb_titan.runtime.measurements import (
     StepMeasurements,
@@ -21,7 +22,7 @@ from sb_titan.runtime.measurements import (
 def _local(dp: int, pp: int, mbs: list[int], rng: random.Random, cp: int = 0) -> dict:
     """What SBTrainer._local_measurements returns: timed micro-batches, fp32 stats
     (through .tolist(), as the trainer reads them) for those with rows > 0."""
-    stats = torch.rand(len(mbs), 4, dtype=torch.float32) * 1e4
+    stats = torch.rand(len(mbs), STATS_SIZE, dtype=torch.float32) * 1e4
     stats[:, 1] = torch.arange(1, len(mbs) + 1)
     if mbs:
         stats[0, 1] = 0.0  # a micro-batch without sparse rows has no stats entry
@@ -72,7 +73,7 @@ def test_bad_measurements_name_the_problem():
     with pytest.raises(ValueError, match="micro-batch 3: expected 0..2"):
         encode_measurements(_local(0, 0, [3], rng), 3)
     x = encode_measurements(_local(0, 0, [0, 1], rng), 2)
-    with pytest.raises(ValueError, match="38 values, not a multiple of 26"):
+    with pytest.raises(ValueError, match="50 values, not a multiple of 35"):
         decode_measurements(torch.cat([x, x]), 3)
     x[4] = 3.0  # a rank that sized its buffer for another step shape
     with pytest.raises(ValueError, match="rank sent 3 micro-batches per step, expected 2"):
@@ -105,7 +106,8 @@ def test_training_step_exchanges_no_pickled_objects(tmp_path):
 def test_context_parallel_ranks_add_up_and_report_their_imbalance():
     """Two CP ranks of one stage: their density partial sums and half-rows add up to the
     micro-batch's density; the kept-pair imbalance is max/mean of the partials."""
-    shards = [[0.3, 0.5, 2.0, 10.0], [0.1, 0.5, 1.0, 6.0]]  # density part, rows / 2, ...
+    # density part, rows / 2, recall sum, tokens, true recall sum, top-key hits, samples
+    shards = [[0.3, 0.5, 2.0, 10.0, 3.0, 2.0, 4.0], [0.1, 0.5, 1.0, 6.0, 1.5, 1.0, 2.0]]
     local = [
         {"dp": 0, "pp": 0, "cp": r, "seconds": {0: 0.5 + r}, "stats": {0: v}, "step_seconds": 2.0}
         for r, v in enumerate(shards)
@@ -117,3 +119,6 @@ def test_context_parallel_ranks_add_up_and_report_their_imbalance():
     assert m.recall[(0, 0)] == (3.0, 16.0)
     assert m.seconds[(0, 0)] == 1.5  # the slower CP rank
     assert m.metrics()["balance/cp_kept_imbalance"] == pytest.approx(0.3 / 0.2)
+    # each CP rank samples its own query blocks: the sums add up over the shards
+    assert m.metrics()["sparsity/true_recall"] == pytest.approx(4.5 / 6.0)
+    assert m.metrics()["sparsity/top_key_hit"] == pytest.approx(3.0 / 6.0)

@@ -32,6 +32,11 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 from torch.nn.attention.flex_attention import flex_attention as _flex
 
+try:  # torch >= 2.9 asks for the log-sum-exp this way; return_lse before
+    from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    _AuxRequest = None
+
 from sb_titan.attention.estimator import token_doc_start
 from sb_titan.attention.selection import BlockTable
 
@@ -140,12 +145,19 @@ def compiled_flex_attention():
 
 
 def flex_attention(
-    q: Tensor, k: Tensor, v: Tensor, doc_id: Tensor, table: BlockTable, scale: float | None = None
-) -> Tensor:
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_id: Tensor,
+    table: BlockTable,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention over `table` by compiled FlexAttention, differentiable on
     CUDA. q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]. Same contract as
     ops.block_sparse_attention: query t attends key s iff s's block is kept for t's
-    block, s <= t and both lie in one document."""
+    block, s <= t and both lie in one document. return_lse: also the natural-log
+    log-sum-exp [B, Hq, L] (Flex converts its base-2 statistics)."""
     if not torch.is_grad_enabled():  # Flex refuses CPU inputs that require grad at all
         q, k, v = q.detach(), k.detach(), v.detach()
     elif q.device.type != "cuda" and any(t.requires_grad for t in (q, k, v)):
@@ -156,4 +168,12 @@ def flex_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask = block_mask(table, doc_id, q.shape[1])
     gqa = q.shape[1] != k.shape[1]
-    return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    flex = compiled_flex_attention()
+    if not return_lse:
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    if _AuxRequest is None:  # torch before AuxRequest: the older keyword
+        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    out, aux = flex(
+        q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=_AuxRequest(lse=True)
+    )
+    return out, aux.lse

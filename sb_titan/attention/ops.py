@@ -13,6 +13,7 @@ Ops (namespace `sb_titan`):
   full_block_table(doc_id, ...) -> the 4 tensors of the density-1 table (dense layers)
   block_sparse_attention(q, k, v, doc_id, table..., backend) -> out, lse
   block_sparse_attention_backward(grad_out, ..., out, lse, ...) -> dq, dk, dv
+  true_recall(q, k, doc_id, lse, kv_ptr, kv_index, ...) -> true recall, top hits, samples
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
 from sb_titan.attention.estimator import num_blocks
+from sb_titan.attention.recall import true_recall
 from sb_titan.attention.selection import (
     AttnStats,
     BlockTable,
@@ -45,6 +47,7 @@ def _select_blocks_op(
     scale: float,
     estimator: str,
     rows: Tensor | None = None,
+    scorer: str = "mean",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     table, stats = select_blocks(
         q,
@@ -56,12 +59,13 @@ def _select_blocks_op(
         scale=scale,
         estimator=estimator,
         rows=rows,
+        scorer=scorer,
     )
-    return (*table[:4], *stats)
+    return (*table[:4], *stats[:3])
 
 
 @_select_blocks_op.register_fake
-def _(q, k, doc_id, budget, policy, block_size, scale, estimator, rows=None):
+def _(q, k, doc_id, budget, policy, block_size, scale, estimator, rows=None, scorer="mean"):
     B, Hkv, L, _ = k.shape
     row = q.new_empty(B, dtype=torch.float32)
     return (
@@ -101,14 +105,17 @@ def select(
     scale: float,
     estimator: str = "torch",
     rows: Tensor | None = None,
+    scorer: str = "mean",
 ) -> tuple[BlockTable, AttnStats]:
     """`selection.select_blocks` as one graph node (not differentiated)."""
     budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
     if budget.dim() == 0:
         budget = budget.expand(q.shape[0])
     q, k = q.detach(), k.detach()
-    out = _select_blocks_op(q, k, doc_id, budget, policy, block_size, scale, estimator, rows)
-    return BlockTable(*out[:4], block_size), AttnStats(*out[4:])
+    out = _select_blocks_op(
+        q, k, doc_id, budget, policy, block_size, scale, estimator, rows, scorer
+    )
+    return BlockTable(*out[:4], block_size), AttnStats.estimated(*out[4:])
 
 
 @torch.library.custom_op("sb_titan::full_block_table", mutates_args=())
@@ -268,3 +275,51 @@ def attention_backward(
     return _attention_backward_op(
         grad_out, q, k, v, out, lse, doc_id, *table[:4], table.block_size, scale, backend
     )
+
+
+# ---------------------------------------------------------------------------- true recall
+@torch.library.custom_op("sb_titan::true_recall", mutates_args=())
+def _true_recall_op(
+    q: Tensor,
+    k: Tensor,
+    doc_id: Tensor,
+    lse: Tensor,
+    kv_ptr: Tensor,
+    kv_index: Tensor,
+    block_size: int,
+    scale: float,
+    rate: float,
+    lse_base2: bool,
+    rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return true_recall(
+        q, k, doc_id, lse, kv_ptr, kv_index, block_size=block_size, scale=scale,
+        rate=rate, lse_base2=lse_base2, rows=rows,
+    )  # fmt: skip
+
+
+@_true_recall_op.register_fake
+def _(q, k, doc_id, lse, kv_ptr, kv_index, block_size, scale, rate, lse_base2, rows=None):
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    row = q.new_empty(q.shape[0], dtype=dtype)
+    return row, torch.empty_like(row), torch.empty_like(row)
+
+
+def measure_true_recall(
+    q: Tensor,
+    k: Tensor,
+    doc_id: Tensor,
+    lse: Tensor,
+    table: BlockTable,
+    *,
+    scale: float,
+    rate: float,
+    lse_base2: bool,
+    rows: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`recall.true_recall` as one graph node: [B] sums of true recall and top-key hits
+    over the sampled (query, head) pairs, and their count."""
+    return _true_recall_op(
+        q.detach(), k.detach(), doc_id, lse.detach(), table.kv_ptr, table.kv_index,
+        table.block_size, float(scale), float(rate), lse_base2, rows,
+    )  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from sb_titan.attention.block_scores import check_scorer, score_chunks
 from sb_titan.attention.estimator import (
     block_mass_chunks,
     check_estimator,
@@ -93,18 +94,46 @@ def counts_to_ptr(count: torch.Tensor) -> torch.Tensor:
     return torch.cat([(ends - count)[..., :1], ends], dim=-1)
 
 
+STATS_FIELDS = (
+    "density_sum",  # kept / allowed block pairs, summed over rows
+    "rows",
+    "recall_sum",  # estimated recall, token-weighted sum
+    "tokens",  # attending query tokens
+    "true_recall_sum",  # exact kept mass over sampled (query, head) pairs, summed
+    "top_hit_sum",  # sampled pairs whose key of greatest true probability was kept
+    "samples",  # sampled (query, head) pairs
+)
+"""The statistics tensor's layout, the one place that defines it: the sparse layers add
+into it, the trainer exchanges it, CP ranks scale their share of `rows` (cp_share)."""
+STATS_SIZE = len(STATS_FIELDS)
+
+
 class AttnStats(NamedTuple):
     density: torch.Tensor  # [B] float32: kept block pairs / allowed block pairs
     recall: torch.Tensor  # [B] float32: kept est. mass, mean over attending query tokens
     tokens: torch.Tensor  # [B] float32: attending query tokens (what recall averages over)
+    true_recall: torch.Tensor  # [B]: summed exact kept mass of sampled (query, head) pairs
+    top_hit: torch.Tensor  # [B]: sampled pairs whose key of greatest true probability was kept
+    samples: torch.Tensor  # [B]: sampled (query, head) pairs (0: not measured)
+
+    @classmethod
+    def estimated(cls, density, recall, tokens) -> AttnStats:
+        """Selection's statistics, before any true recall is measured (zero samples)."""
+        zero = torch.zeros_like(density)
+        return cls(density, recall, tokens, zero, zero, zero)
 
     def totals(self) -> torch.Tensor:
-        """[density sum, rows, token-weighted recall sum, attending tokens]: sums that
-        add up over rows, layers and micro-batches (their ratios are the means)."""
+        """[STATS_SIZE] sums in STATS_FIELDS order that add up over rows, layers and
+        micro-batches (their ratios are the means)."""
         rows = self.density.new_tensor(self.density.numel())
-        return torch.stack(
-            [self.density.sum(), rows, (self.recall * self.tokens).sum(), self.tokens.sum()]
-        )
+        est = [self.density.sum(), rows, (self.recall * self.tokens).sum(), self.tokens.sum()]
+        return torch.stack(est + [self.true_recall.sum(), self.top_hit.sum(), self.samples.sum()])
+
+
+def cp_share(totals: torch.Tensor, degree: int) -> torch.Tensor:
+    """A CP shard's totals: every shard of a row counts 1 / degree of the row; its
+    other sums are already its own part of the row's."""
+    return torch.cat([totals[:1], totals[1:2] / degree, totals[2:]])
 
 
 def attending_tokens(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -270,6 +299,7 @@ def select_blocks(
     chunk_blocks: int = 256,
     estimator: str = "torch",
     rows: torch.Tensor | None = None,
+    scorer: str = "mean",
 ) -> tuple[BlockTable, AttnStats]:
     """Estimate block mass and keep blocks per (row, kv head, query block) under budget.
 
@@ -280,20 +310,28 @@ def select_blocks(
     rows: [B, NB] bool, the query blocks this caller attends (a context-parallel shard);
     the others keep only their diagonal block and stay out of the statistics, whose
     density and token-weighted recall then add up over the shards of a row.
+    scorer: the estimator family (attention/block_scores.py); `estimator` picks the
+    implementation of `mean` (the others run in PyTorch).
     """
     budget = _validate(q, k, doc_id, budget, policy, block_size)
     if chunk_blocks < 1:
         raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
     check_estimator(estimator, q.device.type)
+    check_scorer(scorer)
     B, Hkv, L, D = k.shape
     nb = num_blocks(L, block_size)
     scale = D**-0.5 if scale is None else scale
     sink = sink_blocks(doc_id, block_size)
     counts, ids, masses = [], [], []
-    chunks = block_mass_chunks(
-        q, k, doc_id, sink, block_size=block_size, scale=scale,
-        chunk_blocks=chunk_blocks, estimator=estimator,
-    )  # fmt: skip
+    if scorer == "mean":
+        chunks = block_mass_chunks(
+            q, k, doc_id, sink, block_size=block_size, scale=scale,
+            chunk_blocks=chunk_blocks, estimator=estimator,
+        )  # fmt: skip
+    else:
+        chunk = score_chunks(q, k, doc_id, sink, scorer=scorer, block_size=block_size, scale=scale)
+        starts = range(0, nb, chunk_blocks)
+        chunks = ((s, *chunk(s, min(s + chunk_blocks, nb))) for s in starts)
     for start, prob, allowed in chunks:
         c, idx, m = _select_chunk(prob, allowed, sink, start, budget, policy)
         counts.append(c)
@@ -315,7 +353,7 @@ def select_blocks(
     tokens = weight.sum(-1)
     kept = (kept_mass.mean(1) * weight).sum(-1)  # [B]
     counted = kv_count if rows is None else kv_count * rows[:, None]
-    stats = AttnStats(
+    stats = AttnStats.estimated(
         density=(counted.sum(dim=(1, 2)) / n_allowed).float(),
         recall=torch.where(tokens > 0, kept / tokens.clamp(min=1), 1.0).float(),
         tokens=tokens,

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 import torch
 
 from sb_titan.attention.flex import flex_attention
-from sb_titan.attention.ops import block_sparse_attention, select
+from sb_titan.attention.ops import attention_forward, measure_true_recall, select
 from sb_titan.attention.selection import AttnStats
 
 Backend = Literal["auto", "torch", "triton", "flex"]  # a Literal: the CLI help lists them
@@ -57,17 +57,30 @@ def sparse_attention(
     block_size: int = 64,
     scale: float | None = None,
     backend: str = "auto",
+    scorer: str = "mean",
+    true_recall_rate: float = 0.0,
 ) -> tuple[torch.Tensor, AttnStats]:
     """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]; budget: [B] in (0, 1].
 
-    Returns (out [B, Hq, L, D], AttnStats with per-row density and recall).
+    Returns (out [B, Hq, L, D], AttnStats with per-row density and estimated recall,
+    and, when true_recall_rate > 0, true recall and top-key hits of sampled queries).
+    scorer: the estimator family that ranks blocks (attention/block_scores.py).
     """
     backend = resolve_backend(backend, q.device.type)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     estimator = estimator_for(backend, q.device.type)
     table, stats = select(
-        q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale, estimator=estimator
-    )
+        q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale,
+        estimator=estimator, scorer=scorer,
+    )  # fmt: skip
     if backend == "flex":
-        return flex_attention(q, k, v, doc_id, table, scale), stats
-    return block_sparse_attention(q, k, v, doc_id, table, scale, backend), stats
+        out, lse = flex_attention(q, k, v, doc_id, table, scale, return_lse=True)
+    else:
+        out, lse = attention_forward(q, k, v, doc_id, table, scale, backend)
+    if true_recall_rate > 0:
+        sampled = measure_true_recall(
+            q, k, doc_id, lse, table, scale=scale, rate=true_recall_rate,
+            lse_base2=backend == "triton",
+        )  # fmt: skip
+        stats = stats._replace(true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2])
+    return out, stats

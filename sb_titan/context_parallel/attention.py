@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sb_titan.attention.ops import attention_backward, attention_forward, full_table, select
+from sb_titan.attention.ops import (
+    attention_backward,
+    attention_forward,
+    full_table,
+    measure_true_recall,
+    select,
+)
 from sb_titan.attention.selection import AttnStats, BlockTable
 from sb_titan.context_parallel.collectives import all_gather
 from sb_titan.context_parallel.split import CPSplit
@@ -39,12 +45,15 @@ def cp_attention(
     scale: float | None = None,
     backend: str = "torch",
     estimator: str = "torch",
+    scorer: str = "mean",
+    true_recall_rate: float = 0.0,
 ) -> tuple[Tensor, AttnStats | None]:
     """q: [B, Hq, Lr, D], k, v: [B, Hkv, Lr, D] this rank's tokens in shard order;
     doc_id: [B, L] of the full row. budget None: dense (every allowed block).
 
-    Returns (out [B, Hq, Lr, D], this shard's AttnStats or None when dense): its density
-    and token-weighted recall add up over the CP ranks of a row."""
+    Returns (out [B, Hq, Lr, D], this shard's AttnStats or None when dense): its density,
+    token-weighted recall and sampled true-recall sums add up over the CP ranks of a
+    row (each samples only its own query blocks)."""
     B, Hq, Lr, D = q.shape
     bs = split.block_size
     L = doc_id.shape[1]
@@ -62,10 +71,15 @@ def cp_attention(
         q_row = _to_row(q.detach(), local, L)
         table, stats = select(
             q_row, k_row, doc_id, budget, policy=policy, block_size=bs, scale=scale,
-            estimator=estimator, rows=rows,
+            estimator=estimator, rows=rows, scorer=scorer,
         )  # fmt: skip
-        del q_row
-    out = _LocalQueries.apply(q, k_row, v_row, doc_id, local, table, scale, backend)
+    out, lse = _LocalQueries.apply(q, k_row, v_row, doc_id, local, table, scale, backend)
+    if stats is not None and true_recall_rate > 0:
+        sampled = measure_true_recall(
+            q_row, k_row, doc_id, _to_row(lse, local, L), table, scale=scale,
+            rate=true_recall_rate, lse_base2=backend == "triton", rows=rows,
+        )  # fmt: skip
+        stats = stats._replace(true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2])
     return out, stats
 
 
@@ -94,10 +108,11 @@ class _LocalQueries(torch.autograd.Function):
         out, lse = _from_row(out, local), _from_row(lse, local)
         ctx.save_for_backward(q, k_row, v_row, out, lse, doc_id, local, *table[:4])
         ctx.block_size, ctx.scale, ctx.backend = table.block_size, scale, backend
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_lse):
         q, k_row, v_row, out, lse, doc_id, local, *csr = ctx.saved_tensors
         L = k_row.shape[2]
         row = [_to_row(t, local, L) for t in (grad, q, out, lse)]

@@ -27,12 +27,16 @@ STEP_LINE_FIELDS = (
     ("balance/bubble_share", "bubble", "{:.1%}"),  # step time outside block compute
     ("dst/budget_mean", "budget", "{:.3f}"),  # mean DST budget over (rank, micro-batch)
     ("sparsity/density", "density", "{:.3f}"),  # realised share of block pairs computed
+    ("sparsity/recall", "est. recall", "{:.3f}"),  # the estimator's own kept mass
+    ("sparsity/true_recall", "true recall", "{:.3f}"),  # exact kept mass, sampled queries
+    ("sparsity/top_key_hit", "top-key hit", "{:.3f}"),  # top true key in a kept block
 )
 
 
 class SBMetricsProcessor(MetricsProcessor):
     """TorchTitan's MetricsProcessor (same scalars, same line) with three changes: the
-    line also shows rank imbalance, bubble share, mean budget and density; on CPU the
+    line also shows rank imbalance, bubble share, mean budget, density and recall (estimated,
+    true, top-key hits); on CPU the
     memory fields (CUDA allocator statistics: -1 bytes, -1 OOMs there) and MFU (against
     an A100's peak) are left out of the line and of TensorBoard; and a step's line waits
     for `finish_step`."""

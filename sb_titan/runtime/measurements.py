@@ -15,12 +15,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sb_titan.attention.selection import STATS_FIELDS, STATS_SIZE
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import sensitive_recall
 from sb_titan.balance.sab import StepPlan
 
 _HEADER = 5  # dp, pp, cp, step_seconds, micro-batches per step
-_ROW = 7  # timed?, seconds, stats?, density_sum, rows, recall_sum, tokens
+_ROW = 3 + STATS_SIZE  # timed?, seconds, stats?, then the stats in STATS_FIELDS order
+_SAMPLED = slice(STATS_FIELDS.index("true_recall_sum"), STATS_SIZE)
 
 
 def measurement_size(microbatches: int) -> int:
@@ -43,9 +45,9 @@ def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
     for mb, s in local["seconds"].items():
         row(mb)[0:2] = [1.0, s]
     for mb, v in local["stats"].items():
-        if len(v) != 4:
-            raise ValueError(f"micro-batch {mb} stats: expected 4 values, got {len(v)}")
-        row(mb)[2:7] = [1.0, *v]
+        if len(v) != STATS_SIZE:
+            raise ValueError(f"micro-batch {mb} stats: expected {STATS_SIZE} values, got {len(v)}")
+        row(mb)[2:_ROW] = [1.0, *v]
     header = [local["dp"], local["pp"], local.get("cp", 0), local["step_seconds"], microbatches]
     flat = [float(x) for x in header] + [x for row in rows for x in row]
     return torch.tensor(flat, dtype=torch.float64)
@@ -70,7 +72,7 @@ def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]
                 "pp": int(pp),
                 "cp": int(cp),
                 "seconds": {mb: r[1] for mb, r in enumerate(rows) if r[0]},
-                "stats": {mb: r[3:7] for mb, r in enumerate(rows) if r[2]},
+                "stats": {mb: r[3:_ROW] for mb, r in enumerate(rows) if r[2]},
                 "step_seconds": step_seconds,
             }
         )
@@ -91,6 +93,8 @@ class StepMeasurements:
     cp_kept: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     """(dp, mb) -> each CP rank's share of the micro-batch's kept block pairs (its
     density partial sums: the same denominator on every CP rank of a row)."""
+    sampled: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
+    """(dp, mb) -> (true recall sum, top-key hits, sampled pairs) of its sampled queries."""
 
     @classmethod
     def from_gathered(cls, gathered: list[dict], plan: StepPlan, budgets) -> StepMeasurements:
@@ -105,9 +109,9 @@ class StepMeasurements:
             for mb, s in g["seconds"].items():
                 key = (g["dp"], int(mb))
                 seconds[key] = max(seconds.get(key, 0.0), s)
-            for mb, values in g["stats"].items():  # [density_sum, rows, recall_sum, tokens]
+            for mb, values in g["stats"].items():  # STATS_FIELDS order
                 key = (g["dp"], int(mb))
-                acc = sums.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+                acc = sums.setdefault(key, [0.0] * STATS_SIZE)
                 for i, v in enumerate(values):
                     acc[i] += v
                 per_cp = cp_kept.setdefault(key, {})
@@ -118,7 +122,8 @@ class StepMeasurements:
         step = max(g["step_seconds"] for g in gathered)
         pp = 1 + max(g["pp"] for g in gathered)
         kept = {k: [v[r] for r in sorted(v)] for k, v in cp_kept.items() if len(v) > 1}
-        return cls(seconds, rank_compute, step, density, recall, budgets, pp, kept)
+        sampled = {k: tuple(v[_SAMPLED]) for k, v in sums.items() if v[_SAMPLED][-1] > 0}
+        return cls(seconds, rank_compute, step, density, recall, budgets, pp, kept, sampled)
 
     def observations(self, plan: StepPlan) -> list[LatencyObservation]:
         out = []
@@ -213,6 +218,10 @@ class StepMeasurements:
             # plan and a full one compare on the same footing.
             kept, tokens = np.sum(list(self.recall.values()), axis=0)
             out["sparsity/recall"] = float(kept / tokens) if tokens > 0 else 1.0
+        if self.sampled:  # over the step's sampled (query, head) pairs
+            true_sum, hits, n = np.sum(list(self.sampled.values()), axis=0)
+            out["sparsity/true_recall"] = float(true_sum / n)
+            out["sparsity/top_key_hit"] = float(hits / n)
         return out
 
 

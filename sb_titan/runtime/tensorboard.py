@@ -60,6 +60,11 @@ LAYOUT: dict[str, dict[str, list[str]]] = {
     },
     "SparseBalance: sparsity": {
         "realised density and recall": ["sparsity/density", "sparsity/recall"],
+        "recall: estimated vs true (sampled queries), and top-key hits": [
+            "sparsity/recall",
+            "sparsity/true_recall",
+            "sparsity/top_key_hit",
+        ],
         "recall: measured vs DST's prediction (chosen budgets, beta0 everywhere)": [
             "sparsity/recall",
             "dst/predicted_recall",

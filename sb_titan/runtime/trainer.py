@@ -32,6 +32,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
+from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -174,7 +175,7 @@ class SBTrainer(Trainer):
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
             extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
             self.ntokens_seen += labels.numel()
-        stats = self._mb_stats[mb_index] = positions.new_zeros(4, dtype=torch.float32)
+        stats = self._mb_stats[mb_index] = positions.new_zeros(STATS_SIZE, dtype=torch.float32)
         mb = torch.tensor(mb_index)
         extra["attention_masks"] = AttnMeta(doc_id, row_budget, mb, stats, cp_blocks)
         return inputs, labels, extra
@@ -239,7 +240,7 @@ class SBTrainer(Trainer):
 
     def _local_measurements(self, step_seconds: float) -> dict[str, Any]:
         seconds = self._clock.seconds()
-        # [density_sum, rows, recall_sum, tokens] of the sparse layers (one host copy)
+        # the sparse layers' sums in STATS_FIELDS order (one host copy)
         mbs = sorted(self._mb_stats)
         totals = torch.stack([self._mb_stats[mb] for mb in mbs]).tolist() if mbs else []
         stats = {mb: v for mb, v in zip(mbs, totals, strict=True) if v[1] > 0}

@@ -286,6 +286,8 @@ def build_qwen2_5_config(d: Qwen25Dims, attention: SparseAttentionConfig) -> Qwe
             policy=attention.policy,
             block_size=attention.block_size,
             backend=attention.backend,
+            scorer=attention.scorer,
+            true_recall_rate=attention.true_recall_rate,
         )
         qkv = QKVLinear.Config(
             head_dim=d.head_dim,

@@ -15,9 +15,10 @@ from typing import NamedTuple
 import torch
 from torchtitan.protocols.module import Module
 
+from sb_titan.attention.block_scores import ORACLES, SCORERS, Scorer
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import POLICIES, Policy
+from sb_titan.attention.selection import POLICIES, Policy, cp_share
 from sb_titan.attention.sparse import (
     BACKENDS,
     Backend,
@@ -42,6 +43,14 @@ class SparseAttentionConfig:
     backend: Backend = "auto"
     """`auto`: Triton on CUDA tensors, PyTorch on CPU; `torch` / `triton` force one;
     `flex`: compiled FlexAttention on the same table (trains on CUDA only)."""
+    scorer: Scorer = "mean"
+    """What ranks a block pair (attention/block_scores.py): `mean` (block-mean q . k),
+    `int4_max` (per-token int4 q . k, max per block, like SALE), `kmax` (block-mean q .
+    per-token k, max per key block), `pool8_max` (8-token sub-block means, max);
+    `exact` / `exact_max` are O(L^2) oracles for benches and eval, refused here."""
+    true_recall_rate: float = 1.0
+    """Share of query blocks whose hashed query measures true recall and the top-key hit
+    (exact, against a full pass over its keys); 0 turns the measurement off."""
     dense_layers: list[int] = field(default_factory=lambda: [0])
     """Layer indices that stay dense (negative indices count from the end)."""
     record: bool = False
@@ -55,6 +64,16 @@ class SparseAttentionConfig:
             raise ValueError(f"sparse_attention.backend: {self.backend!r} is not one of {BACKENDS}")
         if self.block_size not in (64, 128):
             raise ValueError(f"sparse_attention.block_size: {self.block_size} (expected 64 or 128)")
+        if self.scorer not in SCORERS or self.scorer in ORACLES:
+            trainable = tuple(s for s in SCORERS if s not in ORACLES)
+            raise ValueError(
+                f"sparse_attention.scorer: {self.scorer!r} is not one of {trainable} "
+                f"({', '.join(ORACLES)} are O(L^2) oracles for benches and eval only)"
+            )
+        if not 0.0 <= self.true_recall_rate <= 1.0:
+            raise ValueError(
+                f"sparse_attention.true_recall_rate: {self.true_recall_rate} (expected 0..1)"
+            )
 
 
 class SBAttention(Module):
@@ -70,6 +89,8 @@ class SBAttention(Module):
         policy: str = "mass"
         block_size: int = 64
         backend: str = "auto"
+        scorer: str = "mean"
+        true_recall_rate: float = 0.0
 
     def __init__(self, config: Config) -> None:
         super().__init__()
@@ -110,6 +131,8 @@ class SBAttention(Module):
                 block_size=self.config.block_size,
                 scale=scale,
                 backend=self.config.backend,
+                scorer=self.config.scorer,
+                true_recall_rate=self._true_recall_rate(),
             )
             _add_stats(meta, stats.totals())
         else:
@@ -133,12 +156,19 @@ class SBAttention(Module):
             q, k, v, meta.doc_id, split, self.cp.rank, self.cp.group_name,
             budget=meta.budget if self.config.sparse else None,
             policy=self.config.policy, scale=scale, backend=backend,
-            estimator=estimator_for(backend, q.device.type),
+            estimator=estimator_for(backend, q.device.type), scorer=self.config.scorer,
+            true_recall_rate=self._true_recall_rate(),
         )  # fmt: skip
         if stats is not None:  # a shard's density and recall sums; its share of the rows
-            totals = stats.totals()
-            _add_stats(meta, torch.cat([totals[:1], totals[1:2] / split.degree, totals[2:]]))
+            _add_stats(meta, cp_share(stats.totals(), split.degree))
         return out
+
+    def _true_recall_rate(self) -> float:
+        """The configured rate in forwards that count as training compute; 0 in an eager
+        activation-recompute forward (compiled, the recompute graph drops the op: its
+        outputs feed only the statistics)."""
+        counted = torch.compiler.is_compiling() or not in_backward_recompute()
+        return self.config.true_recall_rate if counted else 0.0
 
 
 class CPGroup(NamedTuple):
