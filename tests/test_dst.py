@@ -281,16 +281,17 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
             "pp": 0,
             "seconds": {0: 2.0},
             "step_seconds": 2.1,
-            "stats": {0: [0.8 * 4, 4.0, 0.85 * 4096 * 4, 4096.0 * 4]},
+            "stats": {0: [0.8 * 4, 4.0, 0.85 * 4096 * 4, 4096.0 * 4, 0.5 * 512, 400.0, 512.0]},
         },
         {
             "dp": 1,
             "pp": 0,
             "seconds": {0: 1.0},
             "step_seconds": 2.1,
-            "stats": {0: [0.9 * 4, 4.0, 0.95 * 2160 * 4, 2160.0 * 4]},
+            "stats": {0: [0.9 * 4, 4.0, 0.95 * 2160 * 4, 2160.0 * 4, 0.9 * 256, 250.0, 256.0]},
         },
-    ]  # [density sum, rows, recall sum, tokens] over 4 sparse layers
+    ]  # STATS_FIELDS over 4 sparse layers: estimated, then sampled true recall
+
     m = StepMeasurements.from_gathered(gathered, plan, [[0.6], [1.0]])
     obs = m.recall_observations(plan, 64)
     assert [(b, n) for b, n, _ in obs] == [(0.6, 4096), (1.0, 2000)]
@@ -298,6 +299,14 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
     assert [x for _, _, x in obs] == pytest.approx(want, rel=1e-12)
     assert obs[0][2] == pytest.approx((0.85 * 4096 - 128) / (4096 - 128))
     assert m.metrics()["sparsity/recall"] == pytest.approx((0.85 * 4096 + 0.95 * 2160) / 6256)
+    # true recall: the sampled queries' mean, inverted the same way, and below beta
+    true = m.recall_observations(plan, 64, measure="true")
+    assert [x for _, _, x in true] == pytest.approx(
+        [sensitive_recall([4096], 0.5, 64)[1], sensitive_recall([100, 60, 2000], 0.9, 64)[1]]
+    )
+    assert true[0][2] < 0.6 < obs[0][2]  # the estimator overstated what it kept
+    assert m.metrics()["sparsity/true_recall"] == pytest.approx((0.5 * 512 + 0.9 * 256) / 768)
+    assert m.metrics()["sparsity/top_key_hit"] == pytest.approx(650 / 768)
 
 
 def test_an_unknown_selection_policy_is_refused(model):

@@ -78,3 +78,22 @@ def test_measured_selection_fits_the_model_across_budgets(policy):
     m.update([(0.5, L, kept(0.5))])
     for beta in (0.3, 0.7, 0.9):
         assert abs(float(m.predict(beta, L)) - kept(beta)) < 0.05, (beta, kept(beta))
+
+
+def test_true_recall_model_learns_a_gap_below_beta():
+    """True kept mass can fall below beta (the estimator misjudged blocks): the `true`
+    model learns it; the `estimated` model, whose measure never falls below beta, clips."""
+    obs = [(0.8, 4096, 0.55)] * 20
+    true, est = RecallModel(measure="true"), RecallModel(measure="estimated")
+    true.update(obs)
+    est.update(obs)
+    assert float(true.predict(0.8, 4096)) == pytest.approx(0.55, abs=1e-9)
+    assert float(est.predict(0.8, 4096)) >= 0.8
+    assert float(true.predict(0.9, 4096)) > float(true.predict(0.8, 4096))  # still monotone
+    state = true.state_dict()
+    again = RecallModel(measure="true")
+    again.load_state_dict(state)
+    assert float(again.predict(0.8, 4096)) == float(true.predict(0.8, 4096))
+    fresh = RecallModel(measure="estimated")
+    fresh.load_state_dict(state)  # another quantity's corrections are not adopted
+    assert float(fresh.predict(0.8, 4096)) == float(RecallModel().predict(0.8, 4096))

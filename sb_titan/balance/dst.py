@@ -30,6 +30,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from sb_titan.balance.cost_model import POLICIES, CostModel, Unit, UnitBatch
+from sb_titan.balance.cost_model.recall import RECALL_MEASURES, RecallMeasure
 
 Anchor = Literal["min", "mean", "median", "max", "recall"]  # the CLI help lists them
 ANCHORS: tuple[str, ...] = get_args(Anchor)
@@ -57,12 +58,20 @@ class DSTConfig:
     """Floor for bottlenecks (accuracy guard)."""
     beta_max: float = 1.0
     """Ceiling for non-bottlenecks."""
+    recall_measure: RecallMeasure = "true"
+    """What the `recall` anchor holds and DST's recall model learns: `true` recall (the
+    exact kept mass of sampled queries, attention/recall.py) or the estimator's own
+    `estimated` recall, which cannot see a block the estimator misjudges."""
     verify_ranks: bool = False
     """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:
             raise ValueError(f"dst.anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        if self.recall_measure not in RECALL_MEASURES:
+            raise ValueError(
+                f"dst.recall_measure must be one of {RECALL_MEASURES}, got {self.recall_measure!r}"
+            )
         if not (math.isfinite(self.p) and self.p >= 0):
             raise ValueError(f"dst.p must be a finite number >= 0, got {self.p!r}")
         for name in ("beta_min", "beta0", "beta_max"):

@@ -144,12 +144,18 @@ class StepMeasurements:
         return out
 
     def recall_observations(
-        self, plan: StepPlan, block_size: int
+        self, plan: StepPlan, block_size: int, measure: str = "estimated"
     ) -> list[tuple[float, int, float]]:
         """(budget, length, kept mass of budget-sensitive tokens) per micro-batch, for
-        DST's recall model (dst.sensitive_recall inverts the measured recall)."""
+        DST's recall model (dst.sensitive_recall inverts the measured recall): estimated
+        recall over attending tokens, or true recall over the sampled queries (sampled
+        uniformly over query blocks, so their mean estimates the token mean)."""
+        if measure == "true":
+            measured = {k: (s, n) for k, (s, _, n) in self.sampled.items()}
+        else:
+            measured = self.recall
         out = []
-        for (dp, mb), (kept, tokens) in sorted(self.recall.items()):
+        for (dp, mb), (kept, tokens) in sorted(measured.items()):
             if tokens > 0:
                 lens = plan.microbatches[dp][mb].doc_lens
                 obs = sensitive_recall(lens, kept / tokens, block_size)

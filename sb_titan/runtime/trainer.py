@@ -281,9 +281,8 @@ class SBTrainer(Trainer):
             if self.config.cost_model.refit and observations and warm:
                 self.cost_model.refit(observations)
             self.cost_model.density_model.update(m.density_observations(plan))
-            self.cost_model.recall_model.update(
-                m.recall_observations(plan, self.cost_model.block_size)
-            )
+            recall = self.cost_model.recall_model
+            recall.update(m.recall_observations(plan, recall.block_size, recall.measure))
         else:
             predicted = None
         planner = getattr(self.dataloader, "planner", None)
@@ -436,7 +435,7 @@ def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
         from sb_titan.profiler import current_fingerprint
 
         expected = current_fingerprint(config)
-    model = build_cost_model(config.cost_model, spec_for, expected)
+    model = build_cost_model(config.cost_model, spec_for, expected, config.dst.recall_measure)
     wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
     needs = [name for name, on in wants if on]
     if model is None and needs:  # a config problem: no restart will fix it (elastic.py)

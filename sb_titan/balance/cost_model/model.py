@@ -46,7 +46,7 @@ from sb_titan.balance.cost_model.profile import (
     ProfileError,
     ProfileNotFoundError,
 )
-from sb_titan.balance.cost_model.recall import RecallModel
+from sb_titan.balance.cost_model.recall import RecallMeasure, RecallModel
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,13 @@ class CostModel:
         ape_rate: float = 0.1,
         ridge: float = 0.01,
         scale_bounds: tuple[float, float] = (0.05, 20.0),
+        recall_measure: RecallMeasure = "estimated",
     ) -> None:
         self.profile = profile
         self.density_model = density_model if density_model is not None else DensityModel()
         self.block_size = profile.block_size
-        self.recall_model = RecallModel(block_size=self.block_size)  # DST's (dst.py)
+        # DST's (dst.py): it learns the recall measure the `recall` anchor holds
+        self.recall_model = RecallModel(block_size=self.block_size, measure=recall_measure)
         self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
         self.scale_bounds = scale_bounds
         self._profile_digest = profile.digest()
@@ -477,14 +479,19 @@ class CostModelConfig:
 
 
 def build_cost_model(
-    config: CostModelConfig, spec_for: Callable[[str], AnalyticSpec], expected: dict[str, Any]
+    config: CostModelConfig,
+    spec_for: Callable[[str], AnalyticSpec],
+    expected: dict[str, Any],
+    recall_measure: RecallMeasure = "estimated",
 ) -> CostModel | None:
     """The run's cost model, or None when neither a profile nor the analytic fallback
     was configured (callers that need one say which command makes it)."""
     fallback = spec_for(config.analytic_device) if config.analytic_device else None
     if config.profile is None:
-        return CostModel.analytic(fallback) if fallback is not None else None
-    model = CostModel.from_file(config.profile, analytic=fallback)
+        if fallback is None:
+            return None
+        return CostModel.analytic(fallback, recall_measure=recall_measure)
+    model = CostModel.from_file(config.profile, analytic=fallback, recall_measure=recall_measure)
     if model.profile.source != "<memory>":
         model.check_fingerprint(expected, strict=config.strict_fingerprint)
     return model

@@ -14,18 +14,26 @@ acts, and a model that learned per budget would mispredict beta0 itself):
     r(beta, L) = min(1, beta + uniform_overshoot(beta, L) + correction(L))
 
 DST (dst.py) predicts a step's recall with it; the trainer feeds it what it measures.
+
+`measure="true"` models true recall instead (attention/recall.py: the exact mass of
+sampled queries that the kept blocks cover). The estimator can misjudge blocks, so the
+true kept mass need not reach beta: the same prior and per-length correction, with the
+floor at 0 instead of beta, so the correction learns the estimator's gap (negative where
+it overstates) as well as the granularity overshoot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 
 from sb_titan.balance.cost_model.knot_means import fold_in, nearest, tables_from_state
 
 _BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
+RecallMeasure = Literal["true", "estimated"]
+RECALL_MEASURES: tuple[str, ...] = get_args(RecallMeasure)
 
 
 def uniform_overshoot(beta: float, n_blocks: int) -> float:
@@ -47,11 +55,15 @@ class RecallModel:
         log2_len_min: int = 6,
         log2_len_max: int = 20,
         max_count: int = 256,
+        measure: RecallMeasure = "estimated",
     ):
         if log2_len_max <= log2_len_min or max_count < 1 or block_size < 1:
             raise ValueError(
                 "RecallModel: need log2_len_min < log2_len_max, max_count >= 1, block_size >= 1"
             )
+        if measure not in RECALL_MEASURES:
+            raise ValueError(f"RecallModel: measure {measure!r} is not one of {RECALL_MEASURES}")
+        self.measure = measure
         self.block_size = int(block_size)
         self.log2_len_min, self.log2_len_max = int(log2_len_min), int(log2_len_max)
         self.max_count = int(max_count)
@@ -92,13 +104,17 @@ class RecallModel:
         i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
         return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
 
+    def _floor(self, beta: np.ndarray) -> np.ndarray | float:
+        """Estimated kept mass never falls below beta; true kept mass can."""
+        return beta if self.measure == "estimated" else 0.0
+
     def predict(self, beta: np.ndarray | float, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
-        """Kept mass per document, within [beta, 1]."""
+        """Kept mass per document, within [beta, 1] (estimated) or [0, 1] (true)."""
         beta, lengths = np.broadcast_arrays(
             np.asarray(beta, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
         )
         overshoot = self._uniform(beta, lengths) + self._correction(lengths)
-        return np.clip(beta + overshoot, beta, 1.0)
+        return np.clip(beta + overshoot, self._floor(beta), 1.0)
 
     def length_rows(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat prior offset of each length's lower knot, weight, correction) [D]: the
@@ -128,7 +144,7 @@ class RecallModel:
         uniform = (1 - u) * ((1 - v) * p[flat] + v * p[flat + 1]) + u * (
             (1 - v) * p[up] + v * p[up + 1]
         )
-        return np.clip(beta + (uniform + correction), beta, 1.0)
+        return np.clip(beta + (uniform + correction), self._floor(beta), 1.0)
 
     def update(self, observations: Iterable[tuple[float, int, float]]) -> None:
         """Fold in (beta, length, kept mass) triples: per knot, the mean of what was kept
@@ -140,7 +156,7 @@ class RecallModel:
         if not ok.any():
             return  # at beta = 1 everything is kept: nothing to learn
         beta, length, kept = beta[ok], length[ok], kept[ok]
-        residual = np.clip(kept, beta, 1.0) - beta - self._uniform(beta, length)
+        residual = np.clip(kept, self._floor(beta), 1.0) - beta - self._uniform(beta, length)
         knot = np.rint(self._x(length)).astype(np.int64)
         self.mean, self.count = fold_in(self.mean, self.count, knot, residual, self.max_count)
         self._refresh()
@@ -151,12 +167,16 @@ class RecallModel:
             "log2_len_min": self.log2_len_min,
             "log2_len_max": self.log2_len_max,
             "max_count": self.max_count,
+            "measure": self.measure,
             "count": self.count.tolist(),
             "mean": self.mean.tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         keys = ("block_size", "log2_len_min", "log2_len_max", "max_count")
-        self.__init__(**{k: state[k] for k in keys})
+        measure = state.get("measure", "estimated")  # absent before true recall existed
+        if measure != self.measure:  # corrections of another quantity: learn afresh
+            return
+        self.__init__(**{k: state[k] for k in keys}, measure=measure)
         self.mean, self.count = tables_from_state(state, self.count.shape, "RecallModel")
         self._refresh()
