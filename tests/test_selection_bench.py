@@ -1,0 +1,40 @@
+"""bench/selection.py --quick: every estimator family and policy through the whole
+accuracy base at one density, rows appended as measured and a rerun resuming."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cpu_env
+
+BASE = REPO / "bench" / "accuracy_base" / "model.safetensors"
+
+
+@pytest.mark.skipif(not BASE.exists(), reason="the accuracy base is not in this checkout")
+def test_selection_quick_measures_every_method_and_resumes(tmp_path):
+    out = tmp_path / "selection.jsonl"
+    cmd = [sys.executable, "bench/selection.py", "--quick", "--out", str(out)]
+    run = dict(cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, **run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    base = {(r["scorer"], r["policy"]): r for r in rows if r["input"] == "base"}
+    methods = {(s, "topk") for s in ("mean", "int4_max", "kmax", "pool8_max", "exact", "exact_max")}
+    assert methods | {("mean", "mass"), ("int4_max", "mass"), ("dense", "-")} == set(base)
+    topk = [base[m] for m in methods]
+    # topk keeps ceil(beta * n) blocks whatever ranks them: one density for every scorer
+    assert len({round(r["density"], 9) for r in topk}) == 1 and topk[0]["density"] < 0.5
+    for r in topk:
+        assert 0 < r["true_recall"] < 1 and 0 < r["top_key_hit"] <= 1, r
+        assert r["recalls"] > 0 and 0 <= r["exact_match"] <= 1
+    # the oracle keeps the most true mass (up to the sampled queries' spread)
+    assert base[("exact", "topk")]["true_recall"] >= base[("mean", "topk")]["true_recall"] - 0.01
+    dense = base[("dense", "-")]
+    assert dense["density"] == 1.0 and dense["true_recall"] is None  # nothing to sample
+    assert {r["scorer"] for r in rows if r["input"] == "synthetic"} >= {"mean", "int4_max"}
+    # a rerun skips every row already measured
+    again = subprocess.run(cmd, **run)
+    assert again.returncode == 0 and out.read_text().count("\n") == len(rows)
