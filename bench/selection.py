@@ -206,6 +206,34 @@ def costs(args) -> list[dict]:
     return out
 
 
+def sampling_cost(args, repeats: int = 5) -> dict:
+    """True recall's share of a training step: forward + backward of the accuracy base
+    (3 sparse layers, `mean`, budget 0.5) on one 4096-token document, with the sampled
+    measurement at rate 1 and off, interleaved, medians of `repeats`."""
+    loaded = load_from_hf(BASE, attention="sparse")
+    model = loaded.model
+    L = 1024 if args.quick else 4096
+    ids = torch.randint(
+        0, loaded.dims.vocab_size, (1, L), generator=torch.Generator().manual_seed(0)
+    )
+    times: dict[float, list[float]] = {1.0: [], 0.0: []}
+    for _ in range(repeats):
+        for rate in times:
+            _configure(model, "mean", "topk", rate)
+            meta = AttnMeta(torch.zeros(1, L, dtype=torch.int32), torch.full((1,), 0.5), None,
+                            torch.zeros(STATS_SIZE))  # fmt: skip
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            model(ids, positions=torch.arange(L)[None], attention_masks=meta).float().logsumexp(
+                -1
+            ).mean().backward()
+            times[rate].append(time.perf_counter() - t0)
+    on, off = (sorted(t)[len(t) // 2] for t in times.values())
+    spread = {r: (min(t), max(t)) for r, t in times.items()}
+    return {"step_s_with": on, "step_s_without": off, "share": on / off - 1,
+            "min_max_with": spread[1.0], "min_max_without": spread[0.0], "tokens": L}  # fmt: skip
+
+
 def gpu_cost(scorer: str, L: int, bs: int, d: int, group: int) -> dict:
     """Multiply-adds and bytes read per kv head for one row of L tokens (causal halves),
     against sparse attention forward + backward at density 0.3 (3.5x the forward's
@@ -246,13 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if args.command == "cost":
-        cost = costs(args)
+        cost = {"scorers": costs(args), "true_recall_sampling": sampling_cost(args)}
         cost_path = args.out.with_name(args.out.stem + "_cost.json")
         cost_path.write_text(json.dumps(cost, indent=1) + "\n")
-        for c in cost:
-            print(
-                json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in c.items()})
-            )
+        for c in [*cost["scorers"], cost["true_recall_sampling"]]:
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in c.items()}))
         return 0
     args.densities = (0.3,) if args.quick else DENSITIES
     if args.quick:
