@@ -91,7 +91,7 @@ def test_kernel_tests_collect_without_torchtitan(isolated):
     )
 
 
-def test_dry_run_from_a_bare_checkout(isolated):
+def test_dry_run_from_a_bare_checkout(isolated, capsys):
     assert isolated["gpu_rc"] == "0", isolated["stdout"][-3000:]
     rows = gpu_rows.read_rows([isolated["path"]])
     run, end = rows[0], rows[-1]
@@ -124,9 +124,11 @@ def test_dry_run_from_a_bare_checkout(isolated):
     stack = measured[9]
     assert stack["variant"] == "sparse" and stack["ran"].startswith("layer stack")
     assert "error" not in stack and "torchtitan" in stack["torchtitan"]  # why it fell back
-    # the report turns the JSONL back into the tables
-    text = gpu_rows.markdown(rows)
+    # `bench/gpu.py report` turns the JSONL back into the tables
+    assert gpu.main(["report", str(isolated["path"])]) == 0
+    text = capsys.readouterr().out
     assert "torch's bundled flash (FA2-class, not FA3)" in text and "stopped: max_rows" in text
+    assert text.count("| 256 | (7, 1, 64) |") == MAX_ROWS - 1  # every row but (c)'s
 
 
 def test_budget_stops_between_rows_and_keeps_them(tmp_path):
