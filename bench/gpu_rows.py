@@ -1,5 +1,5 @@
 """bench/gpu.py's rows: a JSONL log that keeps every row the moment it is measured, the
-budget that stops a run between rows, the timing and poisoning helpers, and the report
+budget that stops a run between rows, timing and NaN-filling free memory, and the report
 that turns JSONL back into the tables of docs/results.md.
 
     python bench/gpu.py report --out DIR      # every DIR/*.jsonl -> markdown tables

@@ -14,7 +14,7 @@ from sb_titan.util.source_tree import use_source_kernels
 
 # Only torch-free or torch-only imports up here: the kernel tests must collect on a
 # machine with torch, Triton and numpy alone (no install, no torchtitan, no
-# tensorboard); what needs more is imported by the helper that uses it.
+# tensorboard); what needs more is imported inside the function that uses it.
 use_source_kernels()
 
 REPO = Path(__file__).resolve().parents[1]
