@@ -561,7 +561,7 @@ def exit_code(rows: list[dict]) -> int:
     return 1 if any(r["part"] == "a" and not r.get("ok") for r in rows) else 0
 
 
-def main(argv: list[str] | None = None, clock=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["report"]:
         return report(argv[1:])
@@ -573,16 +573,17 @@ def main(argv: list[str] | None = None, clock=None) -> int:
     ap.add_argument("--budget-s", type=float, help="start no row that would end past this")
     ap.add_argument("--max-rows", type=int, help="stop after this many rows")
     args = ap.parse_args(argv)
+    parts = args.parts.split(",")
+    if set(parts) - {"a", "b", "flex", "c"}:
+        ap.error(f"--parts: expected a comma list of a, b, flex, c; got {args.parts!r}")
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/gpu.py: no CUDA GPU here; --dry-run checks the code path", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     grid = GRIDS["dry" if args.dry_run else "quick" if args.quick else "full"]
-    parts = args.parts.split(",")
     name = "dry_run" if args.dry_run else device_name(device).lower().replace(" ", "_")
     path = args.out / f"{'train' if parts == ['c'] else 'gpu'}_{name}.jsonl"
-    extra = {} if clock is None else {"clock": clock}
-    log = RowLog(path, args.budget_s, args.max_rows, **extra)
+    log = RowLog(path, args.budget_s, args.max_rows)
     log.write({"part": "run", "device": device_name(device), "env": env_versions()} | vars(args))
     raise_recompile_limit()
     done: dict = {}
