@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from sb_titan.runtime.tensorboard import read_scalars
+from sb_titan.util.source_tree import use_source_kernels
+
+# Only torch-free or torch-only imports up here: the kernel tests must collect on a
+# machine with torch, Triton and numpy alone (no install, no torchtitan, no
+# tensorboard); what needs more is imported inside the function that uses it.
+use_source_kernels()
 
 REPO = Path(__file__).resolve().parents[1]
 DEBUG_TOML = REPO / "train_configs" / "debug_cpu.toml"
@@ -77,6 +82,8 @@ def torchrun(
 
 def scalars(dump: Path, tag: str) -> dict[int, float]:
     """step -> value of a TensorBoard scalar the run wrote under dump/tb."""
+    from sb_titan.runtime.tensorboard import read_scalars
+
     return read_scalars(dump).get(tag, {})
 
 

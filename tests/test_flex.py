@@ -15,7 +15,14 @@ import torch
 from sb_titan_kernels.block_sparse_attn import block_sparse_attention_ref
 from test_sparse_attention import make_doc_id
 
-from sb_titan.attention.flex import _INDEX_ATTRS, block_mask, block_mask_bytes, flex_attention
+from sb_titan.attention.flex import (
+    _INDEX_ATTRS,
+    block_mask,
+    block_mask_bytes,
+    compiled_flex_attention,
+    flex_attention,
+    flex_kernel_options,
+)
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import STATS_SIZE, select_blocks
 from sb_titan.attention.sparse import resolve_backend, sparse_attention
@@ -141,6 +148,20 @@ def test_flex_inside_a_compiled_block_matches_eager():
     (eager, eager_stats), (comp, comp_stats) = outs
     torch.testing.assert_close(comp, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(comp_stats, eager_stats)
+
+
+def test_flex_tiles_fit_small_blocks_on_cuda():
+    """Flex's default CUDA forward tile (128 rows on H100) does not divide a block of 64:
+    the backend passes a forward tile that does, and compiles small-block Flex with
+    max_autotune (its backward drops configs whose tiles do not fit). CPU and blocks of
+    128 keep Flex's defaults."""
+    assert flex_kernel_options(64, "cuda") == {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
+    assert flex_kernel_options(128, "cuda") is None and flex_kernel_options(64, "cpu") is None
+    for block in (16, 32, 48, 64, 96):
+        tiles = flex_kernel_options(block, "cuda").values()
+        assert all(block % t == 0 and t <= 64 for t in tiles), block
+    assert compiled_flex_attention(64, "cuda") is not compiled_flex_attention(128, "cuda")
+    assert compiled_flex_attention(128, "cuda") is compiled_flex_attention(64, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: Flex's backward")

@@ -437,5 +437,11 @@ def test_estimator_reference_is_a_distribution_over_allowed_blocks() -> None:
 
 
 if __name__ == "__main__":
+    # A child runs as `python tests/test_kernels.py MODE` from a source checkout, maybe
+    # with nothing installed (a GPU machine with torch, Triton and numpy only).
+    sys.path.insert(0, str(ROOT))
+    from sb_titan.util.source_tree import use_source_kernels
+
+    use_source_kernels()
     result = {"numerics": _child_numerics, "aot": _child_aot, "gpu": _child_gpu}[sys.argv[1]]()
     print(json.dumps(result))

@@ -26,6 +26,7 @@ C++ template) has a forward and no backward, so `flex` trains on CUDA only.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import Tensor
@@ -131,17 +132,38 @@ def _ordered(keep: Tensor, kv_index: Tensor, nb: int) -> tuple[Tensor, Tensor]:
     return count, ids.to(torch.int32).contiguous()
 
 
+# Flex's own CUDA tiles go up to 128 x 128 (torch 2.11-2.13 on H100: forward 128 x 128
+# at D 64 and 128 x 64 at D 128; backward 64 x 128 / 128 x 64), and a tile must divide
+# the mask's block. At block 64 the forward takes the tile below; the backward only
+# filters its configs by the block (kernel options cannot rescue a filtered one), so
+# small-block Flex compiles with max_autotune, whose candidates include tiles that fit.
+FLEX_TILE = 64
+
+
+def flex_kernel_options(block_size: int, device_type: str) -> dict | None:
+    """kernel_options for flex_attention on a mask of `block_size` blocks, or None where
+    Flex's defaults fit (CPU, or blocks of 128 and more)."""
+    if device_type != "cuda" or block_size % 128 == 0:
+        return None
+    tile = math.gcd(block_size, FLEX_TILE)
+    return {"fwd_BLOCK_M": tile, "fwd_BLOCK_N": tile}
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(autotune: bool):
     """flex_attention compiled once per process (as TorchTitan's FlexAttention module
     does): eager Flex would materialise the [L, L] scores."""
-    return torch.compile(_flex, dynamic=False)
+    options = {"max_autotune": True} if autotune else None
+    return torch.compile(_flex, dynamic=False, options=options)
 
 
-def compiled_flex_attention():
+def compiled_flex_attention(block_size: int = 128, device_type: str = "cpu"):
     """The flex_attention to call here: inside a compiled region the plain function
-    (Dynamo traces it into the region's graph), else the once-compiled one."""
-    return _flex if torch.compiler.is_compiling() else _compiled_flex()
+    (Dynamo traces it into the region's graph), else the once-compiled one (with
+    max_autotune where `flex_kernel_options` says Flex's default tiles do not fit)."""
+    if torch.compiler.is_compiling():
+        return _flex
+    return _compiled_flex(flex_kernel_options(block_size, device_type) is not None)
 
 
 def flex_attention(
@@ -168,12 +190,13 @@ def flex_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     mask = block_mask(table, doc_id, q.shape[1])
     gqa = q.shape[1] != k.shape[1]
-    flex = compiled_flex_attention()
+    bs, device = table.block_size, q.device.type
+    flex = compiled_flex_attention(bs, device)
+    kwargs = dict(block_mask=mask, scale=scale, enable_gqa=gqa)
+    kwargs["kernel_options"] = flex_kernel_options(bs, device)
     if not return_lse:
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return flex(q, k, v, **kwargs)
     if _AuxRequest is None:  # torch before AuxRequest: the older keyword
-        return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
-    out, aux = flex(
-        q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_aux=_AuxRequest(lse=True)
-    )
+        return flex(q, k, v, return_lse=True, **kwargs)
+    out, aux = flex(q, k, v, return_aux=_AuxRequest(lse=True), **kwargs)
     return out, aux.lse
