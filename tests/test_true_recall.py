@@ -246,3 +246,16 @@ def test_oracles_are_refused_for_training():
     for oracle in ORACLES:
         with pytest.raises(ValueError, match=f"sparse_attention.scorer: '{oracle}'"):
             SparseAttentionConfig(scorer=oracle)
+
+
+def test_true_recall_without_a_forward_lse_matches_with_it():
+    """Flex off CUDA returns no log-sum-exp: the sampled queries' kept lse is computed
+    from the table instead, and gives the same measurement."""
+    q, k, v, doc_id = _inputs()
+    scale = q.shape[-1] ** -0.5
+    table, _ = select(q, k, doc_id, 0.4, policy="topk", block_size=64, scale=scale)
+    _, lse = attention_forward(q, k, v, doc_id, table, scale, "torch")
+    given = measure_true_recall(q, k, doc_id, lse, table, scale=scale, rate=1.0, lse_base2=False)
+    own = measure_true_recall(q, k, doc_id, None, table, scale=scale, rate=1.0, lse_base2=False)
+    for a, b in zip(given, own, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

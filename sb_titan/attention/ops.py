@@ -283,7 +283,7 @@ def _true_recall_op(
     q: Tensor,
     k: Tensor,
     doc_id: Tensor,
-    lse: Tensor,
+    lse: Tensor | None,
     kv_ptr: Tensor,
     kv_index: Tensor,
     block_size: int,
@@ -309,7 +309,7 @@ def measure_true_recall(
     q: Tensor,
     k: Tensor,
     doc_id: Tensor,
-    lse: Tensor,
+    lse: Tensor | None,
     table: BlockTable,
     *,
     scale: float,
@@ -318,8 +318,10 @@ def measure_true_recall(
     rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """`recall.true_recall` as one graph node: [B] sums of true recall and top-key hits
-    over the sampled (query, head) pairs, and their count."""
+    over the sampled (query, head) pairs, and their count (lse None: the kept log-sum-exp
+    is computed for the sampled queries too)."""
+    lse = None if lse is None else lse.detach()
     return _true_recall_op(
-        q.detach(), k.detach(), doc_id, lse.detach(), table.kv_ptr, table.kv_index,
+        q.detach(), k.detach(), doc_id, lse, table.kv_ptr, table.kv_index,
         table.block_size, float(scale), float(rate), lse_base2, rows,
     )  # fmt: skip

@@ -67,10 +67,18 @@ def sample_positions(
 
 
 def sampled_full_lse(
-    q: torch.Tensor, k: torch.Tensor, doc_id: torch.Tensor, pos: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    doc_id: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    kept_blocks: torch.Tensor | None = None,
+    block_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Natural log-sum-exp over all allowed keys, and the key of greatest logit, of the
     queries at `pos` [B, S] (-1: unsampled, garbage out): ([B, Hq, S] fp32, [B, Hq, S] int64).
+    kept_blocks [B, Hkv, S, NB] bool: only keys in those blocks (the kept log-sum-exp,
+    for an attention that does not return its own).
 
     Keys are processed in chunks (peak memory O(S * chunk) per head), with an online
     max and sum as in flash attention."""
@@ -86,13 +94,17 @@ def sampled_full_lse(
     m = qs.new_full((B, Hkv, G, S), float("-inf"))
     total = qs.new_zeros((B, Hkv, G, S))
     top = torch.zeros((B, Hkv, G, S), dtype=torch.int64, device=q.device)
-    chunk = max(64, SCORE_ELEMENTS // max(B * Hq * S, 1))
+    chunk = max(block_size, SCORE_ELEMENTS // max(B * Hq * S, 1) // block_size * block_size)
     for u0 in range(0, L, chunk):
         u = torch.arange(u0, min(u0 + chunk, L), device=q.device)
         logits = torch.matmul(qs, k[:, :, None, u0 : u0 + chunk].to(wd).transpose(-1, -2))
         logits = logits * scale
-        ok = (u[None, None, :] <= at[:, :, None]) & (u[None, None, :] >= start[:, :, None])
-        logits = logits.masked_fill_(~ok[:, None, None], float("-inf"))
+        ok = ((u[None, None, :] <= at[:, :, None]) & (u[None, None, :] >= start[:, :, None]))[
+            :, None, None
+        ]
+        if kept_blocks is not None:
+            ok = ok & kept_blocks[:, :, None, :, u // block_size]
+        logits = logits.masked_fill_(~ok, float("-inf"))
         cmax, carg = logits.max(dim=-1)
         new_m = torch.maximum(m, cmax)
         live = torch.isfinite(new_m)
@@ -105,6 +117,19 @@ def sampled_full_lse(
         m = new_m
     lse = m + torch.log(total)
     return lse.view(B, Hq, S), top.view(B, Hq, S)
+
+
+def kept_block_mask(kv_ptr: torch.Tensor, kv_index: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, NB, NB] bool of a CSR table (small L only: eval without a forward lse)."""
+    B, Hkv, nb1 = kv_ptr.shape
+    nb = nb1 - 1
+    count = kv_ptr.diff(dim=-1).flatten()
+    row = torch.repeat_interleave(
+        torch.arange(count.numel(), device=kv_ptr.device), count, output_size=kv_index.numel()
+    )
+    out = torch.zeros(B * Hkv * nb * nb, dtype=torch.bool, device=kv_ptr.device)
+    out[row * nb + kv_index.long()] = True
+    return out.view(B, Hkv, nb, nb)
 
 
 def kept_pairs(
@@ -134,7 +159,7 @@ def true_recall(
     q: torch.Tensor,
     k: torch.Tensor,
     doc_id: torch.Tensor,
-    lse_kept: torch.Tensor,
+    lse_kept: torch.Tensor | None,
     kv_ptr: torch.Tensor,
     kv_index: torch.Tensor,
     *,
@@ -146,13 +171,18 @@ def true_recall(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(true recall sum, top-key hits, sampled pairs), each [B] fp32 (fp64 for fp64),
     over the sampled queries and all q heads. lse_kept: [B, Hq, L] the forward's
-    log-sum-exp over the kept blocks (base 2 from the Triton kernels: lse_base2)."""
+    log-sum-exp over the kept blocks (base 2 from the Triton kernels: lse_base2), or
+    None: computed here for the sampled queries alone."""
     B, Hq, L, _ = q.shape
     Hkv = k.shape[1]
     pos = sample_positions(doc_id, block_size, rate, rows)  # [B, NB]
     valid = pos >= 0
-    full, top = sampled_full_lse(q, k, doc_id, pos, scale)  # [B, Hq, NB]
-    kept = lse_kept.to(full.dtype).gather(2, pos.clamp(min=0)[:, None].expand(B, Hq, -1))
+    full, top = sampled_full_lse(q, k, doc_id, pos, scale, block_size=block_size)  # [B, Hq, NB]
+    if lse_kept is None:  # the attention did not return it (Flex off CUDA)
+        blocks = kept_block_mask(kv_ptr, kv_index)
+        kept, _ = sampled_full_lse(q, k, doc_id, pos, scale, blocks, block_size)
+    else:
+        kept = lse_kept.to(full.dtype).gather(2, pos.clamp(min=0)[:, None].expand(B, Hq, -1))
     if lse_base2:
         kept = kept * math.log(2.0)
     recall = torch.exp(kept - full).clamp(max=1.0)

@@ -73,7 +73,9 @@ def sparse_attention(
         q, k, doc_id, budget, policy=policy, block_size=block_size, scale=scale,
         estimator=estimator, scorer=scorer,
     )  # fmt: skip
-    if backend == "flex":
+    if backend == "flex" and q.device.type != "cuda":  # Flex returns no lse on CPU
+        out, lse = flex_attention(q, k, v, doc_id, table, scale), None
+    elif backend == "flex":
         out, lse = flex_attention(q, k, v, doc_id, table, scale, return_lse=True)
     else:
         out, lse = attention_forward(q, k, v, doc_id, table, scale, backend)
