@@ -305,6 +305,13 @@ def test_trainer_feeds_the_recall_model_from_gathered_measurements():
         [sensitive_recall([4096], 0.5, 64)[1], sensitive_recall([100, 60, 2000], 0.9, 64)[1]]
     )
     assert true[0][2] < 0.6 < obs[0][2]  # the estimator overstated what it kept
+    hits = m.recall_observations(plan, 64, measure="top_key")
+    assert [x for _, _, x in hits] == pytest.approx(
+        [
+            sensitive_recall([4096], 400 / 512, 64)[1],
+            sensitive_recall([100, 60, 2000], 250 / 256, 64)[1],
+        ]
+    )
     assert m.metrics()["sparsity/true_recall"] == pytest.approx((0.5 * 512 + 0.9 * 256) / 768)
     assert m.metrics()["sparsity/top_key_hit"] == pytest.approx(650 / 768)
 

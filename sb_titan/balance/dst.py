@@ -59,9 +59,10 @@ class DSTConfig:
     beta_max: float = 1.0
     """Ceiling for non-bottlenecks."""
     recall_measure: RecallMeasure = "true"
-    """What the `recall` anchor holds and DST's recall model learns: `true` recall (the
-    exact kept mass of sampled queries, attention/recall.py) or the estimator's own
-    `estimated` recall, which cannot see a block the estimator misjudges."""
+    """What the `recall` anchor holds and DST's recall model learns: `top_key` (the share
+    of sampled queries whose key of greatest true probability was kept), `true` recall
+    (their exact kept mass, attention/recall.py) or the estimator's own `estimated`
+    recall, which cannot see a block the estimator misjudges."""
     verify_ranks: bool = False
     """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
 

@@ -148,10 +148,12 @@ class StepMeasurements:
     ) -> list[tuple[float, int, float]]:
         """(budget, length, kept mass of budget-sensitive tokens) per micro-batch, for
         DST's recall model (dst.sensitive_recall inverts the measured recall): estimated
-        recall over attending tokens, or true recall over the sampled queries (sampled
-        uniformly over query blocks, so their mean estimates the token mean)."""
+        recall over attending tokens, or true recall or top-key hits over the sampled
+        queries (sampled uniformly over query blocks: their mean estimates the token mean)."""
         if measure == "true":
             measured = {k: (s, n) for k, (s, _, n) in self.sampled.items()}
+        elif measure == "top_key":
+            measured = {k: (h, n) for k, (_, h, n) in self.sampled.items()}
         else:
             measured = self.recall
         out = []

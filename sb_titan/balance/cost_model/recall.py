@@ -16,10 +16,11 @@ acts, and a model that learned per budget would mispredict beta0 itself):
 DST (dst.py) predicts a step's recall with it; the trainer feeds it what it measures.
 
 `measure="true"` models true recall instead (attention/recall.py: the exact mass of
-sampled queries that the kept blocks cover). The estimator can misjudge blocks, so the
-true kept mass need not reach beta: the same prior and per-length correction, with the
-floor at 0 instead of beta, so the correction learns the estimator's gap (negative where
-it overstates) as well as the granularity overshoot.
+sampled queries that the kept blocks cover), and `measure="top_key"` the top-key hit
+rate (the share of sampled queries whose key of greatest true probability was kept).
+Neither need reach beta (the estimator can misjudge blocks): the same prior and
+per-length correction, with the floor at 0 instead of beta, so the correction learns the
+estimator's gap (negative where it overstates) as well as the granularity overshoot.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 from sb_titan.balance.cost_model.knot_means import fold_in, nearest, tables_from_state
 
 _BETA_GRID = 200  # the prior is tabulated at beta = k / 200 and interpolated
-RecallMeasure = Literal["true", "estimated"]
+RecallMeasure = Literal["top_key", "true", "estimated"]
 RECALL_MEASURES: tuple[str, ...] = get_args(RecallMeasure)
 
 
@@ -105,7 +106,7 @@ class RecallModel:
         return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
 
     def _floor(self, beta: np.ndarray) -> np.ndarray | float:
-        """Estimated kept mass never falls below beta; true kept mass can."""
+        """Estimated kept mass never falls below beta; measured quantities can."""
         return beta if self.measure == "estimated" else 0.0
 
     def predict(self, beta: np.ndarray | float, lengths: np.ndarray | Sequence[int]) -> np.ndarray:
