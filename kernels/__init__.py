@@ -6,6 +6,8 @@ Each kernel file holds its PyTorch reference beside it. Nothing here imports sb_
 compilation and resource checks) is tooling and is not imported here.
 """
 
+from .block_max import BLOCK_MAX_CONFIGS, block_max_int4_triton, block_max_triton
+from .block_max_naive import Int4Codes, block_max_int4_ref, block_max_ref, int4_codes
 from .block_sparse_attn import (
     ATTN_CONFIGS,
     BlockSparseAttnFn,
@@ -32,12 +34,18 @@ from .estimator import (
 
 __all__ = [
     "ATTN_CONFIGS",
+    "BLOCK_MAX_CONFIGS",
     "EST_CONFIGS",
     "UPCAST",
     "BlockSparseAttnFn",
     "BlockTable",
+    "Int4Codes",
     "Tile",
     "attn_tiles",
+    "block_max_int4_ref",
+    "block_max_int4_triton",
+    "block_max_ref",
+    "block_max_triton",
     "block_probs_ref",
     "block_probs_triton",
     "block_sparse_attention_ref",
@@ -47,6 +55,7 @@ __all__ = [
     "est_tiles",
     "estimate_block_mass_ref",
     "estimate_block_mass_triton",
+    "int4_codes",
     "pool_blocks_ref",
     "pool_blocks_triton",
     "table_block_size",

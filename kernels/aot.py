@@ -26,13 +26,14 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from . import block_max as bmx
 from . import block_sparse_attn as bsa
 from . import estimator as est
 from .common import (
@@ -50,7 +51,7 @@ ARCHS: dict[str, tuple[int, int]] = {"sm_80": (80, 163 * 1024), "sm_90a": (90, 2
 
 _INT_PTRS = {"DOC", "DOC_START", "DOC_END", "KV_INDEX", "Q_INDEX", "ORDER"}
 _I64_PTRS = {"KV_PTR", "Q_PTR", "ITEMS", "SPLITS"}
-_F32_PTRS = {"LSE", "DELTA", "QP", "KP", "PROB", "DK_PART", "DV_PART"}
+_F32_PTRS = {"LSE", "DELTA", "QP", "KP", "PROB", "DK_PART", "DV_PART", "QS", "KS", "SCORE"}
 _F32_SCALARS = {"qk_scale", "sm_scale"}
 _ALIGNED_SCALARS = {"seq_len"}
 
@@ -170,6 +171,23 @@ def shipped_specs() -> Iterator[KernelSpec]:
                 yield KernelSpec("est_probs", est._probs_kernel, dt, d, bs, et.probs, ce)
 
 
+def block_max_spec(head_dim: int, block_size: int, tile: Tile) -> KernelSpec:
+    """The `int4_max` block-max kernel at any tile. Its codes are int8 whatever the
+    model's dtype, so it has one config per shape (dtype "i8")."""
+    ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=tile.block_m)
+    ce["BLOCK_N"] = tile.block_n
+    return KernelSpec("block_max", bmx._block_max_kernel, "i8", head_dim, block_size, tile, ce)
+
+
+def block_max_specs() -> Iterator[KernelSpec]:
+    """The block-max kernel at every shipped (head_dim, block size), from its tile table.
+    Kept apart from shipped_specs (one row per dtype there, none here): the report
+    compiles both, tests/test_block_max_kernel.py checks these."""
+    for d in SHIPPED_HEAD_DIMS:
+        for bs in SHIPPED_BLOCK_SIZES:
+            yield block_max_spec(d, bs, bmx.block_max_tile(d, bs))
+
+
 def compile_spec(spec: KernelSpec, arch: str):
     """triton.compile for one arch; returns Triton's CompiledKernel (cached on disk)."""
     cap, _ = ARCHS[arch]
@@ -243,6 +261,8 @@ MMA_LOOPS: dict[str, tuple[tuple[int, int], ...]] = {
     # pass 1 (max/sum) and pass 2 (write) each score BLOCK_I x BLOCK_J pooled blocks;
     # tf32x3 runs every dot as 3 tf32 MMAs (hi*hi, hi*lo, lo*hi)
     "est_probs": ((1, 3), (1, 3)),
+    # the loop over the G q heads: one int8 BLOCK_M x BLOCK_N x D dot (int32) per head
+    "block_max": ((1, 1),),
 }
 
 
@@ -457,7 +477,12 @@ def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -
     )
 
 
-def full_report(archs: tuple[str, ...] = tuple(ARCHS), spills: bool = True) -> list[ResUsage]:
-    """Every shipped kernel config on every arch."""
+def full_report(
+    archs: tuple[str, ...] = tuple(ARCHS),
+    spills: bool = True,
+    specs: Iterable[KernelSpec] | None = None,
+) -> list[ResUsage]:
+    """`specs` (default: shipped_specs(), the attention and estimator kernels) on every arch."""
     tool = cuobjdump_path()
-    return [report(spec, arch, tool, spills) for spec in shipped_specs() for arch in archs]
+    specs = shipped_specs() if specs is None else specs
+    return [report(spec, arch, tool, spills) for spec in specs for arch in archs]

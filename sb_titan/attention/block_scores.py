@@ -23,6 +23,11 @@ Each returns, per chunk of query blocks, a distribution over the allowed key blo
 families take a softmax over their block maxima, `exact_max` normalises its maxima.
 Every family masks tokens exactly (causal, same document), so a block pair's score
 comes only from pairs the attention itself can compute.
+
+`int4_max`'s quantization and block maxima live in sb_titan_kernels: the PyTorch
+reference (block_max_naive.py, estimator="torch") and its Triton kernel (block_max.py,
+estimator="triton": CUDA or TRITON_INTERPRET=1), bitwise equal. They are imported on
+first use, so importing this module does not import Triton.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ from sb_titan.attention.estimator import (
 Scorer = Literal["mean", "int4_max", "kmax", "pool8_max", "exact", "exact_max"]
 SCORERS: tuple[str, ...] = get_args(Scorer)
 ORACLES = ("exact", "exact_max")  # O(L^2): benches and eval, never a training default
-INT4_MAX = 7  # symmetric int4 codes in [-7, 7]
 SUB_BLOCK = 8  # pool8_max's sub-block length
 SCORE_ELEMENTS = 1 << 24  # token-pair scores held at once (64 MiB of fp32) per sub-chunk
 
@@ -54,58 +58,16 @@ def check_scorer(scorer: str) -> None:
         raise ValueError(f"unknown scorer {scorer!r}; expected one of {SCORERS}")
 
 
-def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token symmetric int4: (codes in [-7, 7] as fp32, scale [..., 1] fp32)."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax))
-    return torch.round(x.float() / scale).clamp_(-INT4_MAX, INT4_MAX), scale
+_FROM_KERNELS = ("INT4_MAX", "quantize_int4")
 
 
-def allowed_tokens(doc_start: torch.Tensor, t0: int, t1: int, L: int) -> torch.Tensor:
-    """[B, T, L] bool: query token t in [t0, t1) may attend key u iff start(t) <= u <= t."""
-    t = torch.arange(t0, t1, device=doc_start.device)
-    u = torch.arange(L, device=doc_start.device)
-    return (u[None, None, :] <= t[None, :, None]) & (u[None, None, :] >= doc_start[:, t0:t1, None])
+def __getattr__(name: str):
+    """`quantize_int4` / `INT4_MAX`, from sb_titan_kernels on first use (one copy)."""
+    if name in _FROM_KERNELS:
+        from sb_titan_kernels import block_max_naive
 
-
-def _block_max(x: torch.Tensor, block_size: int, L: int) -> torch.Tensor:
-    """[B, H, T, L] with T a multiple of Bs -> [B, H, T / Bs, NB]: max per block pair."""
-    B, H, T, _ = x.shape
-    nb = num_blocks(L, block_size)
-    x = torch.nn.functional.pad(x, (0, nb * block_size - L), value=float("-inf"))
-    return x.view(B, H, T // block_size, block_size, nb, block_size).amax(dim=(3, 5))
-
-
-def _token_chunks(start: int, end: int, block_size: int, L: int, per_token: int):
-    """Query-token ranges [t0, t1) of whole blocks within blocks [start, end), each
-    holding at most SCORE_ELEMENTS scores of `per_token` elements per query token."""
-    step = max(1, SCORE_ELEMENTS // max(per_token * block_size, 1)) * block_size
-    for t0 in range(start * block_size, min(end * block_size, L), step):
-        yield t0, min(t0 + step, end * block_size)
-
-
-def _pad_tokens(x: torch.Tensor, t1: int, L: int) -> torch.Tensor:
-    """x [..., T, L'] for tokens up to min(t1, L): pad rows to t1 with -inf (past L)."""
-    return torch.nn.functional.pad(x, (0, 0, 0, t1 - min(t1, L)), value=float("-inf"))
-
-
-def _max_logit_tokens(q: torch.Tensor, k: torch.Tensor, doc_start, start, end, block_size):
-    """`int4_max` block maxima [B, Hkv, n, NB] (unscaled logits) for query blocks [start, end)."""
-    qc, qs = q
-    kc, ks = k
-    B, Hq, L, D = qc.shape
-    Hkv = kc.shape[1]
-    G = Hq // Hkv
-    out = []
-    for t0, t1 in _token_chunks(start, end, block_size, L, B * Hq * L):
-        t1r = min(t1, L)
-        qg = qc[:, :, t0:t1r].reshape(B, Hkv, G, t1r - t0, D)
-        dots = torch.matmul(qg, kc[:, :, None].transpose(-1, -2))  # exact: |sum| < 2^24
-        logits = dots * qs[:, :, t0:t1r].reshape(B, Hkv, G, t1r - t0, 1) * ks.view(B, Hkv, 1, 1, L)
-        ok = allowed_tokens(doc_start, t0, t1r, L)[:, None, None]
-        best = logits.masked_fill_(~ok, float("-inf")).amax(dim=2)  # over the G heads
-        out.append(_block_max(_pad_tokens(best, t1, L), block_size, L))
-    return torch.cat(out, dim=2)
+        return getattr(block_max_naive, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _softmax_over_allowed(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -115,11 +77,13 @@ def _softmax_over_allowed(scores: torch.Tensor, allowed: torch.Tensor) -> torch.
 
 def _exact_probs(q, k, doc_start, start, end, block_size, scale, aggregate) -> torch.Tensor:
     """True block mass (`sum`, mean over tokens and heads) or max true probability (`max`)."""
+    from sb_titan_kernels.block_max_naive import allowed_tokens, token_chunks
+
     B, Hq, L, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
     out = []
-    for t0, t1 in _token_chunks(start, end, block_size, L, B * Hq * L):
+    for t0, t1 in token_chunks(start, end, block_size, L, B * Hq * L, SCORE_ELEMENTS):
         t1r = min(t1, L)
         qg = q[:, :, t0:t1r].float().reshape(B, Hkv, G, t1r - t0, D)
         logits = torch.matmul(qg, k.float()[:, :, None].transpose(-1, -2)) * scale
@@ -145,9 +109,12 @@ def score_chunks(
     scorer: str,
     block_size: int,
     scale: float,
+    estimator: str = "torch",
 ) -> ChunkFn:
     """chunk(start, end) -> (prob, allowed) [B, Hkv, end - start, NB] for a non-`mean`
-    scorer; any precomputation (quantization, pooling) is done once, here."""
+    scorer; any precomputation (quantization, pooling) is done once, here. `estimator`
+    ("torch" | "triton") picks `int4_max`'s block maxima: the PyTorch reference or the
+    Triton kernel (bitwise equal); the other scorers run in PyTorch."""
     check_scorer(scorer)
     B, Hkv, L, D = k.shape
     nb = num_blocks(L, block_size)
@@ -157,13 +124,7 @@ def score_chunks(
         return allowed_blocks(sink, start, end, nb).expand(B, Hkv, end - start, nb)
 
     if scorer == "int4_max":
-        qq = quantize_int4(q)
-        kq = quantize_int4(k.float() - k.float().mean(dim=2, keepdim=True))
-
-        def chunk(start: int, end: int):
-            s = _max_logit_tokens(qq, kq, doc_start, start, end, block_size) * scale
-            a = allowed(start, end)
-            return _softmax_over_allowed(s, a), a
+        chunk = _int4_max_chunks(q, k, doc_start, block_size, scale, estimator, allowed)
 
     elif scorer == "kmax":
         qp = pool_query_blocks(q, Hkv, block_size)  # [B, Hkv, NB, D]
@@ -199,6 +160,32 @@ def score_chunks(
 
     else:
         raise ValueError(f"scorer {scorer!r} is the block-mean estimator (estimator.py)")
+    return chunk
+
+
+def _int4_max_chunks(q, k, doc_start, block_size, scale, estimator, allowed) -> ChunkFn:
+    """`int4_max`: quantize once (int8 codes), then block maxima per chunk of query blocks."""
+    from sb_titan_kernels.block_max_naive import block_max_ref, int4_codes
+
+    codes = int4_codes(q, k)
+    if estimator == "triton":
+        from sb_titan_kernels.block_max import block_max_triton
+
+        ds = doc_start.to(torch.int32)
+
+        def block_max(start: int, end: int) -> torch.Tensor:
+            return block_max_triton(*codes, ds, block_size, start, end)
+
+    else:
+
+        def block_max(start: int, end: int) -> torch.Tensor:
+            return block_max_ref(*codes, doc_start, block_size, start, end, SCORE_ELEMENTS)
+
+    def chunk(start: int, end: int):
+        s = block_max(start, end) * scale
+        a = allowed(start, end)
+        return _softmax_over_allowed(s, a), a
+
     return chunk
 
 

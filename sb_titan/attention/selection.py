@@ -311,7 +311,7 @@ def select_blocks(
     the others keep only their diagonal block and stay out of the statistics, whose
     density and token-weighted recall then add up over the shards of a row.
     scorer: the estimator family (attention/block_scores.py); `estimator` picks the
-    implementation of `mean` (the others run in PyTorch).
+    implementation of `mean` and `int4_max` (the others run in PyTorch).
     """
     budget = _validate(q, k, doc_id, budget, policy, block_size)
     if chunk_blocks < 1:
@@ -329,7 +329,10 @@ def select_blocks(
             chunk_blocks=chunk_blocks, estimator=estimator,
         )  # fmt: skip
     else:
-        chunk = score_chunks(q, k, doc_id, sink, scorer=scorer, block_size=block_size, scale=scale)
+        chunk = score_chunks(
+            q, k, doc_id, sink, scorer=scorer, block_size=block_size, scale=scale,
+            estimator=estimator,
+        )  # fmt: skip
         starts = range(0, nb, chunk_blocks)
         chunks = ((s, *chunk(s, min(s + chunk_blocks, nb))) for s in starts)
     for start, prob, allowed in chunks:
