@@ -1,7 +1,8 @@
 """AOT resource report of the Triton kernels: registers, shared memory, spills, MMA work.
 
 Compiles every shipped config (bf16/fp16 x head_dim 64/128 x block 64/128) of every
-kernel for sm_80 and sm_90a on this machine, no GPU needed (kernels/aot.py), and reads
+kernel, and the `int4_max` block-max kernel (int8 codes) at each head_dim x block, for
+sm_80 and sm_90a on this machine, no GPU needed (kernels/aot.py), and reads
 registers / STACK / LOCAL with `cuobjdump -res-usage`, spill bytes with `ptxas -v`,
 dynamic shared memory from Triton's metadata, and the MMA volume per loop iteration from
 the PTX (`mma_ratio` = executed / needed; > 1 means warps repeat each other's tensor-core
@@ -14,6 +15,8 @@ duplicates MMA work.
 `--sweep` compiles candidate tiles of the three tiled attention kernels for bf16 on both
 arches (BLOCK_M, BLOCK_N in {16, 32, 64, 128} dividing Bs, 4/8 warps, 2/3 stages; 2
 worker processes) and prints the `_BY_SHAPE` table it picks (see `pick`) as Python.
+`--sweep --kernels block_max` does the same for the block-max kernel's
+`BLOCK_MAX_CONFIGS` (-> bench/results/kernels_sweep_block_max.json).
 """
 
 from __future__ import annotations
@@ -42,12 +45,13 @@ SWEEP_SIZES = (16, 32, 64, 128)
 SWEEP_WARPS = (4, 8)
 SWEEP_STAGES = (2, 3)
 #: the tile dimension a program keeps for its whole loop (its rows of the output)
-RESIDENT = {"fwd": "block_m", "bwd_dq": "block_m", "bwd_dkdv": "block_n"}
+RESIDENT = {"fwd": "block_m", "bwd_dq": "block_m", "bwd_dkdv": "block_n", "block_max": "block_n"}
+SWEPT = (*aot.ATTN_TILED, "block_max")
 PICK_RULE = (
     "among candidates with no spills (LOCAL = STACK = 0), shared memory within the limit "
     "and mma_ratio = 1 on both sm_80 and sm_90a: the largest tile area BLOCK_M x BLOCK_N, "
-    "then the larger resident dimension (BLOCK_M for fwd/dQ, BLOCK_N for dK/dV: fewer "
-    "reloads of the streamed operands), then fewer warps, then more stages"
+    "then the larger resident dimension (BLOCK_M for fwd/dQ, BLOCK_N for dK/dV and "
+    "block_max: fewer reloads of the streamed operands), then fewer warps, then more stages"
 )
 
 
@@ -106,7 +110,7 @@ def _rel(path: Path) -> Path:
 
 
 def report_main() -> int:
-    rows = aot.full_report(spills=True)
+    rows = aot.full_report(spills=True, specs=[*aot.shipped_specs(), *aot.block_max_specs()])
     print(markdown_table(rows))
     bad = [r for r in rows if not r.ok]
     limits = ", ".join(f"{a} {lim // 1024} KiB" for a, (_, lim) in aot.ARCHS.items())
@@ -130,20 +134,25 @@ def report_main() -> int:
 def sweep_candidates(
     dtype: str = "bf16", kernels: tuple[str, ...] = tuple(aot.ATTN_TILED)
 ) -> list[tuple[str, str, int, int, Tile]]:
-    """(kernel, dtype, D, Bs, tile) for every tiled attention kernel and candidate tile."""
+    """(kernel, dtype, D, Bs, tile) for every swept kernel (SWEPT) and candidate tile;
+    block_max reads int8 codes whatever `dtype` is."""
     out = []
     for kernel in kernels:
+        dt = "i8" if kernel == "block_max" else dtype
         for d, bs in product(SHIPPED_HEAD_DIMS, SHIPPED_BLOCK_SIZES):
             sizes = [s for s in SWEEP_SIZES if bs % s == 0]
             for bm, bn, w, st in product(sizes, sizes, SWEEP_WARPS, SWEEP_STAGES):
-                out.append((kernel, dtype, d, bs, Tile(bm, bn, w, st)))
+                out.append((kernel, dt, d, bs, Tile(bm, bn, w, st)))
     return out
 
 
 def _measure(cand: tuple[str, str, int, int, Tile]) -> list[dict]:
     """One candidate on every arch (in a worker); a failed compile is recorded, not raised."""
     kernel, dtype, d, bs, tile = cand
-    spec = aot.attn_spec(kernel, dtype, d, bs, tile)
+    if kernel == "block_max":
+        spec = aot.block_max_spec(d, bs, tile)
+    else:
+        spec = aot.attn_spec(kernel, dtype, d, bs, tile)
     tool = aot.cuobjdump_path()
     rows = []
     for arch in aot.ARCHS:
@@ -203,6 +212,19 @@ def table_python(best: dict[tuple[str, int, int], Tile | None]) -> str:
     return "\n".join(lines)
 
 
+def block_max_python(best: dict[tuple[str, int, int], Tile | None]) -> str:
+    """`BLOCK_MAX_CONFIGS` of kernels/block_max.py as Python source, ready to paste."""
+    lines = ["BLOCK_MAX_CONFIGS: dict[tuple[int, int], Tile] = {"]
+    for d, bs in product(SHIPPED_HEAD_DIMS, SHIPPED_BLOCK_SIZES):
+        t = best.get(("block_max", d, bs))
+        lines.append(
+            f"    ({d}, {bs}): "
+            + ("None,  # no candidate passes" if t is None else f"Tile{tuple(t)},")
+        )
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _chosen_table(rows: list[dict], ok: dict, best: dict) -> str:
     archs = list(aot.ARCHS)
     by = {(r["kernel"], r["head_dim"], r["block_size"], _tile(r), r["arch"]): r for r in rows}
@@ -242,13 +264,17 @@ def sweep_main(jobs: int, kernels: tuple[str, ...] = tuple(aot.ATTN_TILED)) -> i
     print(f"\n{len(cands)} candidates x {len(aot.ARCHS)} arches in {wall:.0f} s ({jobs} workers), "
           f"{len(errors)} failed to compile\nrule: {PICK_RULE}\n")  # fmt: skip
     print(_chosen_table(rows, ok, best) + "\n")
-    print(table_python(best))
+    if set(kernels) & set(aot.ATTN_TILED):
+        print(table_python(best))
+    if "block_max" in kernels:
+        print(block_max_python(best))
     path = SWEEP_OUT
-    if set(kernels) != set(aot.ATTN_TILED):  # a partial sweep never replaces the full one
+    if set(kernels) != set(aot.ATTN_TILED):  # a partial or block-max sweep has its own file
         path = SWEEP_OUT.with_name(f"kernels_sweep_{'_'.join(kernels)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {
-        "setup": {**_setup(), "dtype": "bf16", "workers": jobs, "wall_s": round(wall, 1)},
+        "setup": {**_setup(), "dtype": ", ".join(sorted({c[1] for c in cands})),
+                  "workers": jobs, "wall_s": round(wall, 1)},
         "space": {"sizes": SWEEP_SIZES, "warps": SWEEP_WARPS, "stages": SWEEP_STAGES},
         "rule": PICK_RULE,
         "chosen": [
@@ -267,10 +293,12 @@ def sweep_main(jobs: int, kernels: tuple[str, ...] = tuple(aot.ATTN_TILED)) -> i
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="sweep candidate attention tiles")
+    parser.add_argument("--sweep", action="store_true", help="sweep candidate tiles")
     parser.add_argument("--jobs", type=int, default=2, help="sweep worker processes")
     parser.add_argument(
-        "--kernels", default=",".join(aot.ATTN_TILED), help="kernels to sweep (comma list)"
+        "--kernels",
+        default=",".join(aot.ATTN_TILED),
+        help=f"kernels to sweep (comma list of {', '.join(SWEPT)})",
     )
     args = parser.parse_args()
     # explicit, as Triton 3.10 asks; also part of Triton's cache key, and the test's AOT
@@ -278,6 +306,8 @@ def main() -> int:
     os.environ["TRITON_DEFAULT_FP_FUSION"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     kernels = tuple(args.kernels.split(","))
+    if unknown := set(kernels) - set(SWEPT):
+        parser.error(f"unknown kernels {sorted(unknown)}; expected some of {SWEPT}")
     return sweep_main(args.jobs, kernels) if args.sweep else report_main()
 
 
