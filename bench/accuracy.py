@@ -118,6 +118,17 @@ class Variant:
     eval_budget: float | None  # None: dense
     label: str
 
+    @property
+    def attention(self) -> list[str]:
+        """The overrides of [sparse_attention]: the held-out evaluation selects as the
+        run trained (policy, scorer), not as the config's defaults."""
+        out, args = [], list(self.overrides)
+        for i, arg in enumerate(args):
+            if arg.startswith("--sparse_attention."):
+                has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+                out += args[i : i + 1 + has_value]
+        return out
+
 
 def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
     """The study's variants; `low` is the static budget that hurts (found by the sweep)."""
@@ -131,6 +142,12 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
         Variant("dense", ("--sparse_attention.no-enabled",), None, "dense"),
         Variant("static_0.9", static(BETA0), BETA0, f"static β={BETA0}"),
         Variant(f"static_{low:g}", static(low), low, f"static β={low:g}"),
+        Variant(
+            "static_half",
+            (*static(0.5), "--sparse_attention.policy", "topk"),
+            0.5,
+            "static, half the blocks (topk β=0.5)",
+        ),  # fmt: skip
         Variant("sab_static", (*sab, "--dst.beta0", str(BETA0)), BETA0, f"SAB, static β={BETA0}"),
         Variant("sab_dst_mean", (*dst, "--dst.anchor", "mean"), BETA0, "SAB+DST (mean)"),
         Variant("sab_dst_recall", (*dst, "--dst.anchor", "recall"), BETA0, "SAB+DST (recall)"),
@@ -226,6 +243,8 @@ def series(dump: Path) -> dict[str, list[float]]:
         "loss": "loss_metrics/global_avg_loss",
         "density": "sparsity/density",
         "recall": "sparsity/recall",
+        "true_recall": "sparsity/true_recall",
+        "top_key_hit": "sparsity/top_key_hit",
         "budget_mean": "dst/budget_mean",
         "budget_min": "dst/budget_min",
         "budget_max": "dst/budget_max",
@@ -293,7 +312,9 @@ def run_study(args: argparse.Namespace) -> None:
             train_args = ["--training.steps", str(steps), *data, *extra]
             torchrun(FINETUNE, dump, [*train_args, *v.overrides], root / f"{v.name}_seed{seed}.log")
         run = {"variant": v.name, "seed": seed, "series": series(dump)}
-        run.update(evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs, extra))
+        run.update(
+            evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs, [*extra, *v.attention])
+        )
         results["runs"][key] = run
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results) + "\n")
@@ -367,6 +388,8 @@ def summarize(results: dict, chosen: list[Variant]) -> dict:
             "value_loss": statistics.fmean(r[mode]["value_loss"] for r in runs),
             "density": mean_series(runs, "density"),
             "recall": mean_series(runs, "recall"),
+            "true_recall": mean_series(runs, "true_recall"),
+            "top_key_hit": mean_series(runs, "top_key_hit"),
         }
         if v.name in timing:
             row["step_s"] = timing[v.name]
@@ -402,9 +425,14 @@ def markdown(results: dict, summary: dict) -> str:
     rows = [
         "| variant | seeds | eval | exact match | Δ vs dense | Δ vs SAB static | "
         + " | ".join(f"EM {b}" for b in buckets)
-        + " | held-out loss | density (first → last step) | step s |",
-        "|---|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|",
+        + " | held-out loss | density (first → last step) | true recall | top-key hit "
+        + "| est. recall | step s |",
+        "|---|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|---|---|---|",
     ]
+
+    def last(r: dict, key: str) -> str:  # the training run's last logged value
+        return f"{r[key][-1]:.3f}" if r.get(key) else "—"
+
     for r in summary.values():
         dens = f"{r['density'][0]:.2f} → {r['density'][-1]:.2f}" if r["density"] else "1 (dense)"
         step = f"{r['step_s']:.2f}" if "step_s" in r else "—"
@@ -415,7 +443,8 @@ def markdown(results: dict, summary: dict) -> str:
             + " | ".join(
                 fmt(r["by_distance"][b]) if b in r["by_distance"] else "—" for b in buckets
             )
-            + f" | {r['loss']:.3f} | {dens} | {step} |"
+            + f" | {r['loss']:.3f} | {dens} | {last(r, 'true_recall')} | "
+            + f"{last(r, 'top_key_hit')} | {last(r, 'recall')} | {step} |"
         )
     return head + "\n".join(rows) + "\n"
 

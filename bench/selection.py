@@ -123,7 +123,7 @@ def _append(path: Path, row: dict) -> None:
 
 def model_rows(args, name: str, model, docs, calib_docs, done: set) -> None:
     for target in args.densities:
-        for scorer, policy in METHODS:
+        for scorer, policy in args.methods:
             key = (name, scorer, policy, target)
             if key in done:
                 continue
@@ -151,7 +151,7 @@ def synthetic_rows(args, done: set) -> None:
     L = 2048 if args.quick else 16384
     doc_id = doc_ids_from_lengths(pack_rows(L, 1, 0), L)
     layers = [(q, k) for _, q, k in synthetic_qk(doc_id, seed=0)]
-    for scorer, policy in METHODS:
+    for scorer, policy in args.methods:
         for target in args.densities:
             if ("synthetic", scorer, policy, target) in done:
                 continue
@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         "--inputs", default=None, help="default base,random,synthetic (quick: no random)"
     )
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--methods", default=None, help="scorer:policy,... (default: all)")
+    ap.add_argument("--densities", default=None, help="comma-separated (default: all four)")
     args = ap.parse_args(argv)
     if args.out is None:
         args.out = OUT if not args.quick else Path("/tmp/sb_selection_quick.jsonl")
@@ -280,7 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         for c in [*cost["scorers"], cost["true_recall_sampling"]]:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in c.items()}))
         return 0
-    args.densities = (0.3,) if args.quick else DENSITIES
+    args.methods = (
+        [tuple(m.split(":")) for m in args.methods.split(",")] if args.methods else METHODS
+    )
+    if args.densities:
+        args.densities = tuple(float(d) for d in args.densities.split(","))
+    else:
+        args.densities = (0.3,) if args.quick else DENSITIES
     if args.quick:
         args.iters = min(args.iters, 3)
     done = _done(args.out)

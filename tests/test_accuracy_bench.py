@@ -221,5 +221,6 @@ def test_every_variant_of_the_study_is_a_valid_config():
 
     for v in bench.variants(low=0.1, sweep=(0.5, 0.3)):
         config = load_config(bench.FINETUNE, list(v.overrides))
+        assert load_config(bench.FINETUNE, v.attention).sparse_attention == config.sparse_attention
         if v.eval_budget is not None:
             assert config.dst.beta0 == v.eval_budget and config.sparse_attention.enabled
