@@ -3,7 +3,7 @@
     python bench/selection.py            # full: 64 held-out documents, hours on 2 cores
     python bench/selection.py --quick    # 2 documents at 1024 tokens, density 0.3 (tests)
     python bench/selection.py cost       # each scorer's cost beside the attention's
-    python bench/selection.py plot       # docs/selection.png from the results
+    python bench/selection.py plot       # docs/selection.png and the markdown table
 
 For each scorer (attention/block_scores.py) and policy, at realised density 0.8, 0.5,
 0.3 and 0.2 (each method's budget calibrated to it), on three inputs:
@@ -340,8 +340,33 @@ def plot(path: Path) -> int:
     fig.tight_layout()
     out = REPO / "docs" / "selection.png"
     fig.savefig(out, dpi=110)
+    print(table(base))
     print(f"wrote {out}")
     return 0
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per method and density, exact match beside the three recalls."""
+    dense = next((r for r in rows if r["scorer"] == "dense"), None)
+    head = "dense exact match: " + (f"{100 * dense['exact_match']:.1f}%" if dense else "—")
+    lines = [
+        head,
+        "",
+        "| scorer | policy | target | density | exact match % | true recall | top-key hit "
+        "| est. recall | budget |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    key = {m: i for i, m in enumerate(METHODS)}
+    for r in sorted(
+        (r for r in rows if r["scorer"] != "dense"),
+        key=lambda r: (-r["target_density"], key.get((r["scorer"], r["policy"]), 99)),
+    ):
+        lines.append(
+            f"| {r['scorer']} | {r['policy']} | {r['target_density']} | {r['density']:.3f} | "
+            f"{100 * r['exact_match']:.1f} | {r['true_recall']:.3f} | {r['top_key_hit']:.3f} | "
+            f"{r['estimated_recall']:.3f} | {r['budget']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
