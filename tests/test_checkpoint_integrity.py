@@ -312,3 +312,6 @@ def test_crash_between_save_and_manifest_restarts_from_last_complete_step(traine
     assert "Training starts at step 3" in out
     assert losses(tmp_path) == losses(trained) and len(losses(trained)) == 4
     verify(tmp_path / "checkpoint" / "step-4")  # the retrained step 4 is complete
+    # rank 0 took the dump-folder lock for torchrun's agent; the restart accepted it as
+    # its own run's and released it at the end
+    assert not (tmp_path / "sb_titan.lock").exists()
