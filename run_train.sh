@@ -35,6 +35,16 @@ export MAX_RESTARTS SB_LAUNCHER=run_train.sh
 # "connectFullMesh ... Connection refused", or a hang; pytorch/pytorch#135712, #167288).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
+# One run per dump folder (sb_titan/util/run_lock.py): --prelaunch takes the folder's
+# lock for this script before any rank spawns; the ranks share it through this token
+# (the same on every node of a multi-node job); it is released when the script exits.
+if [ -n "${RDZV_ENDPOINT:-}" ] || [ "$NNODES" != 1 ]; then
+  token="rdzv:${RDZV_ID:-sb_titan}@${RDZV_ENDPOINT:-${MASTER_ADDR:-}:${MASTER_PORT:-29500}}"
+else
+  token="$(hostname):$$:$(date +%s%N):$RANDOM"
+fi
+export SB_RUN_TOKEN="${SB_RUN_TOKEN:-$token}" SB_LAUNCHER_PID=$$
+
 # Fail fast, once, with one clear line on a bad config, profile, dataset or checkpoint
 # (before spawning ranks; sb_titan/config/preflight.py); warn about restarts without
 # checkpoints; learn where a rank records the error that stopped it.
@@ -42,6 +52,10 @@ world=()  # the step shape is checked for a fixed world size (not for NNODES=min
 [[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
 fatal_file="$("${world[@]}" .venv/bin/python -m sb_titan.tools.train \
   --prelaunch --config_file "$CONFIG_FILE" "$@" | tail -n 1)"
+dump_folder="$(dirname "$fatal_file")"
+trap '.venv/bin/python -m sb_titan.util.run_lock release "$dump_folder" || true' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
@@ -70,7 +84,7 @@ if [ -s "$fatal_file" ]; then
   exit 3
 fi
 # Any other failure ends the output with its cause once (the tracebacks are above).
-failure_file="$(dirname "$fatal_file")/last_failure.json"
+failure_file="$dump_folder/last_failure.json"
 if [ "$rc" -ne 0 ]; then
   if [ -s "$failure_file" ]; then
     echo "sb_titan: failed: $(cause "$failure_file")" >&2

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, REPO, TINY, cpu_env, losses, scalars, torchrun
+from conftest import DEBUG_TOML, REPO, TINY, cpu_env, fixture_env, losses, scalars, torchrun
 
 from sb_titan.config.toml import load_config
 from sb_titan.eval.checkpoint import load_from_config
@@ -21,6 +21,7 @@ from sb_titan.runtime.checkpoint import (
     check_checkpoint_folder,
     choose_step,
     finalize,
+    stale_steps,
     verify,
 )
 
@@ -100,15 +101,13 @@ def test_checksums_are_split_over_ranks(tmp_path):
 def test_choose_step_newest_refuses_or_falls_back(tmp_path):
     _fake_step(tmp_path, 2)
     _flip(_fake_step(tmp_path, 4) / "__0_0.distcp")
-    _fake_step(tmp_path, 6, marker=False)  # a save that died: no marker
-    with pytest.raises(
-        CheckpointIntegrityError, match="step 6 is incomplete.*fallback_to_previous"
-    ):
+    _fake_step(tmp_path, 6, marker=False)  # a save that died: no marker, skipped
+    with pytest.raises(CheckpointIntegrityError, match="step 4 is corrupted.*fallback_to_previous"):
         choose_step(tmp_path, -1, fallback=False, allow_unverified=False, check=verify)
     step, warning = choose_step(tmp_path, -1, fallback=True, allow_unverified=False, check=verify)
-    assert (
-        step == 2 and "step 6 is incomplete" in warning and "loading checkpoint step 2" in warning
-    )
+    assert step == 2 and "\n" not in warning
+    assert "skipping incomplete checkpoint step-6" in warning and "step 4 is corrupted" in warning
+    assert "loading checkpoint step 2" in warning
     (tmp_path / "step-2" / MANIFEST).unlink()
     with pytest.raises(
         CheckpointIntegrityError, match="step 4 is corrupted.*no earlier checkpoint"
@@ -116,13 +115,66 @@ def test_choose_step_newest_refuses_or_falls_back(tmp_path):
         choose_step(tmp_path, 4, fallback=True, allow_unverified=False, check=verify)
 
 
-def test_allow_unverified_loads_old_checkpoints_with_a_note(tmp_path):
-    _fake_step(tmp_path, 2, marker=False)
+def test_incomplete_newest_is_skipped_for_the_newest_complete(tmp_path):
+    """A crash between a save and its manifest: the restart loads the step before it,
+    with or without fallback_to_previous, and says so in one line naming both."""
+    _fake_step(tmp_path, 2)
+    _fake_step(tmp_path, 4)
+    _fake_step(tmp_path, 6, marker=False)  # DCP finished (.metadata), hashing did not
+    (_fake_step(tmp_path, 8, marker=False) / ".metadata").unlink()  # DCP did not finish
+    for fallback in (False, True):
+        step, note = choose_step(
+            tmp_path, -1, fallback=fallback, allow_unverified=False, check=verify
+        )
+        assert step == 4 and "\n" not in note, note
+        assert note == (
+            f"skipping incomplete checkpoint step-8, step-6 in {tmp_path} ({MANIFEST} missing: "
+            "the save did not finish); resuming from checkpoint step 4, the newest complete one"
+        )
+    # allow_unverified: a folder whose DCP save finished counts as complete (loaded
+    # unverified); one without .metadata is still skipped
     step, note = choose_step(tmp_path, -1, fallback=False, allow_unverified=True, check=verify)
-    assert step == 2 and "unverified" in note
-    (tmp_path / "step-2" / ".metadata").unlink()  # not even DCP-complete: still refused
-    with pytest.raises(CheckpointIntegrityError, match="incomplete"):
-        choose_step(tmp_path, -1, fallback=False, allow_unverified=True, check=verify)
+    assert step == 6 and "skipping incomplete checkpoint step-8 " in note
+    assert "step 6 has no sb_integrity.json: loading it unverified" in note
+    # an explicit load_step is checked as it is: no skipping
+    with pytest.raises(CheckpointIntegrityError, match="step 6 is incomplete"):
+        choose_step(tmp_path, 6, fallback=False, allow_unverified=False, check=verify)
+
+
+def test_nothing_complete(tmp_path):
+    # only a save that died inside DCP: nothing was ever saved, start without a checkpoint
+    (_fake_step(tmp_path, 2, marker=False) / ".metadata").unlink()
+    step, note = choose_step(tmp_path, -1, fallback=False, allow_unverified=False, check=verify)
+    assert step == -1 and "skipping incomplete checkpoint step-2" in note and "none is" in note
+    # a DCP-complete folder without manifest may predate integrity checks: refused as
+    # before, pointing at allow_unverified (never silently trained over, or purged)
+    _fake_step(tmp_path, 4, marker=False)
+    with pytest.raises(CheckpointIntegrityError, match="step 4 is incomplete.*allow_unverified"):
+        choose_step(tmp_path, -1, fallback=False, allow_unverified=False, check=verify)
+
+
+def test_purge_counts_only_complete_steps(tmp_path):
+    for step in (2, 4, 6):
+        _fake_step(tmp_path, step)
+    _fake_step(tmp_path, 3, marker=False)  # a crash's leftovers, older than step 6
+    _fake_step(tmp_path, 10, marker=False)  # a crash's leftovers, newer than any complete
+    saving = _fake_step(tmp_path, 8, marker=False)  # the save TorchTitan purges inside
+    # keep 2 complete: 2 and the leftover 3 go; 4 and 6 stay until 8 is finalised.
+    # (TorchTitan's own rule, the 2 highest step numbers, would keep only 8 and 10:
+    # neither is complete, so a crash now would leave nothing to resume from.)
+    assert stale_steps(tmp_path, 2, False, saving) == [tmp_path / "step-2", tmp_path / "step-3"]
+    assert stale_steps(tmp_path, 1, False, saving) == [
+        tmp_path / "step-2",
+        tmp_path / "step-3",
+        tmp_path / "step-4",
+    ]
+    finalize(saving)
+    assert stale_steps(tmp_path, 2, False) == [
+        tmp_path / "step-2",
+        tmp_path / "step-3",
+        tmp_path / "step-4",
+    ]
+    assert stale_steps(tmp_path / "none", 2, False) == []
 
 
 def _config(dump: Path, *extra: str):
@@ -223,3 +275,43 @@ def test_fallback_resumes_from_previous_checkpoint(trained, tmp_path):
     assert sorted(resumed) == [3, 4]
     assert max(abs(resumed[s] - original[s - 1]) for s in (3, 4)) <= 1e-5, (resumed, original)
     verify(dump / "checkpoint" / "step-4")
+
+
+@pytest.mark.torchrun
+def test_crash_between_save_and_manifest_restarts_from_last_complete_step(trained, tmp_path):
+    """Every rank dies after DCP wrote step 4 and before its manifest (a hook, first
+    attempt only); torchrun's restart skips the incomplete step-4 for step-2, without
+    fallback_to_previous, and retrains to the uninterrupted run's losses, bit for bit."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    env = {
+        **fixture_env("crash_before_finalize"),
+        "SB_TEST_CRASH_BEFORE_FINALIZE": "4",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # as run_train.sh, for the restart
+    }
+    cmd = [*launcher, "--nproc_per_node=2", "--max-restarts=1", "-m", "sb_titan.tools.train"]
+    proc = subprocess.run(
+        [*cmd, *_entry(tmp_path, "--training.steps", "4", "--sab.policy", "sequential")],
+        cwd=REPO,
+        env=cpu_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "test crash: rank 0 before finalizing step-4" in out  # it did die there
+    skip = [line for line in out.splitlines() if "skipping incomplete checkpoint" in line]
+    assert skip and all(
+        line.endswith(
+            f"skipping incomplete checkpoint step-4 in {tmp_path / 'checkpoint'} ({MANIFEST} "
+            "missing: the save did not finish); resuming from checkpoint step 2, the newest "
+            "complete one"
+        )
+        for line in skip
+    ), skip
+    assert "Training starts at step 3" in out
+    assert losses(tmp_path) == losses(trained) and len(losses(trained)) == 4
+    verify(tmp_path / "checkpoint" / "step-4")  # the retrained step 4 is complete
+    # rank 0 took the dump-folder lock for torchrun's agent; the restart accepted it as
+    # its own run's and released it at the end
+    assert not (tmp_path / "sb_titan.lock").exists()

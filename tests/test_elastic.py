@@ -157,6 +157,7 @@ def test_killed_rank_resumes_bit_identical(tmp_path):
     assert "fault injection: killing rank 1 at step 4" in out  # it did die and restart
     assert "Training starts at step 3" in out  # from the step-2 checkpoint
     assert losses(killed) == losses(straight) and len(losses(straight)) == 6
+    assert not (killed / "sb_titan.lock").exists()  # the restart kept it, the end released it
     (steps,) = _steps_per_run(killed).values()  # one run folder, each step once
     assert steps == [1, 2, 3, 4, 5, 6]
     for rank in (0, 1):

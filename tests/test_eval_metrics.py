@@ -286,3 +286,96 @@ def test_sample_rules_and_task_scores():
     buckets = scorer_e("hotpotqa", ["Paris", "x"], [["Paris"], ["Rome"]], [100, 9000], None)
     assert buckets["0-4k"] == 100.0 and buckets["8k+"] == 0.0 and math.isnan(buckets["4-8k"])
     assert len(DATASET2METRIC) == 21
+
+
+# LongBench's eval.py as it runs: a fresh `python eval.py`, whose module-level loop calls
+# scorer -> rouge_score / rouge_zh_score (metrics.py, verbatim but for the loop and one
+# split line). It finds the first length at which the `rouge` package's recursive LCS
+# overflows there.
+_FRESH_LONGBENCH = """
+import json, sys
+import jieba
+from rouge import Rouge
+
+def rouge_score(prediction, ground_truth, **kwargs):
+    rouge = Rouge()
+    try:
+        scores = rouge.get_scores([prediction], [ground_truth], avg=True)
+    except:
+        return 0.0
+    return scores["rouge-l"]["f"]
+
+def rouge_zh_score(prediction, ground_truth, **kwargs):
+    prediction = " ".join(list(jieba.cut(prediction, cut_all=False)))
+    ground_truth = " ".join(list(jieba.cut(ground_truth, cut_all=False)))
+    score = rouge_score(prediction, ground_truth)
+    return score
+
+dataset2metric = {"gov_report": rouge_score, "vcsum": rouge_zh_score}
+
+def scorer(dataset, predictions, answers, all_classes):
+    total_score = 0.
+    for (prediction, ground_truths) in zip(predictions, answers):
+        score = 0.
+        for ground_truth in ground_truths:
+            metric = dataset2metric[dataset]  # one line in the reference, same frames
+            score = max(score, metric(prediction, ground_truth, all_classes=all_classes))
+        total_score += score
+    return round(100 * total_score / len(predictions), 2)
+
+pairs = json.loads(sys.argv[1])
+first_zero = {}
+for dataset, (pred, unit, lo, hi) in pairs.items():
+    while lo < hi:  # the first n whose score is 0; scores > 0 below it
+        n = (lo + hi) // 2
+        if scorer(dataset, [pred], [[pred + unit * n]], None) == 0:
+            hi = n
+        else:
+            lo = n + 1
+    first_zero[dataset] = lo
+print(json.dumps({"limit": sys.getrecursionlimit(), "first_zero": first_zero}))
+"""
+
+# one matching word, then n words that match nothing: the package's LCS walks back
+# through all of them, one frame each, at linear cost
+_LONG_PAIRS = {"gov_report": ("w", " x", 1, 1200), "vcsum": ("会议", "，讨论", 1, 700)}
+
+
+def _deep(frames: int, fn):
+    return _deep(frames - 1, fn) if frames else fn()
+
+
+def test_rouge_overflow_length_is_the_fresh_process_one_whatever_ran_before():
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _FRESH_LONGBENCH, json.dumps(_LONG_PAIRS)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    fresh = json.loads(proc.stdout)
+    assert fresh["limit"] == 1000
+    metrics = {"gov_report": rouge_score, "vcsum": rouge_zh_score}
+
+    def scores():
+        out = {}
+        for dataset, (pred, unit, _, _) in _LONG_PAIRS.items():
+            n = fresh["first_zero"][dataset]
+            out[dataset] = [metrics[dataset](pred, pred + unit * k) for k in (n - 1, n)]
+        return out
+
+    before = scores()
+    for dataset in _LONG_PAIRS:  # the fresh process's boundary, here
+        assert before[dataset][0] > 0 and before[dataset][1] == 0.0, (dataset, fresh)
+    assert _deep(300, scores) == before  # called from deep inside a stack
+    limit = sys.getrecursionlimit()
+    try:
+        # what TorchInductor's compile_fx does whenever it compiles (never undone)
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 2000))
+        assert scores() == before
+        assert sys.getrecursionlimit() == max(limit, 2000)  # the caller's limit is kept
+    finally:
+        sys.setrecursionlimit(limit)

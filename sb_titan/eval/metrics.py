@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import re
 import string
+import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -109,21 +111,75 @@ def classification_score(prediction: str, ground_truth: str, **kwargs) -> float:
     return 1.0 / len(matches) if ground_truth in matches else 0.0
 
 
+DEFAULT_RECURSION_LIMIT = 1000
+"""CPython's default `sys.getrecursionlimit()`, the limit LongBench's eval.py scores under."""
+
+_LONGBENCH_CALLERS = 3
+"""Frames on LongBench's stack when rouge_score calls `Rouge.get_scores`: eval.py's
+`<module>`, `scorer`, `rouge_score` (rouge_zh_score adds one)."""
+
+_ROUGE_LOCK = threading.Lock()
+"""Serialises the temporary recursion limit between threads that score at once."""
+
+
+def _stack_depth() -> int:
+    """Frames on the calling thread's stack, the caller included."""
+    depth, frame = 0, sys._getframe(1)
+    while frame is not None:
+        depth, frame = depth + 1, frame.f_back
+    return depth
+
+
+def _official_rouge_l(prediction: str, ground_truth: str, callers: int) -> float:
+    """ROUGE-L F as LongBench's eval.py gets it in a fresh `python eval.py` process.
+
+    The `rouge` package rebuilds the LCS recursively, one frame per step back through
+    its table, so on a long sentence it raises RecursionError and the reference scores
+    0. Where that happens depends on process state: the recursion limit (TorchInductor
+    raises it to at least 2000 whenever it compiles, and never lowers it again) and how
+    deep the caller already is. The reference's state is fixed: CPython's default limit
+    of 1000, with `callers` frames below `get_scores`. So the scorer runs on a fresh
+    thread (its own, shallow stack) under the limit that leaves exactly that headroom,
+    `DEFAULT_RECURSION_LIMIT + (this thread's depth - callers)`, and the previous limit is
+    restored before the thread ends: the same pair scores the same wherever it is
+    scored from and whatever ran before. The limit is process-wide while the thread
+    runs (callers are serialised by a lock); other threads only ever see it raised or
+    lowered for the length of one score.
+    """
+    result = [0.0]
+
+    def run() -> None:
+        previous = sys.getrecursionlimit()
+        sys.setrecursionlimit(DEFAULT_RECURSION_LIMIT + _stack_depth() - callers)
+        try:
+            scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
+            result[0] = scores["rouge-l"]["f"]
+        except Exception:  # noqa: BLE001 - the reference's bare except
+            result[0] = 0.0
+        finally:
+            sys.setrecursionlimit(previous)
+
+    with _ROUGE_LOCK:
+        worker = threading.Thread(target=run, name="longbench-rouge")
+        worker.start()
+        worker.join()
+    return result[0]
+
+
 def rouge_score(prediction: str, ground_truth: str, **kwargs) -> float:
     """ROUGE-L F of the `rouge` package; 0.0 whenever it raises, as the reference does
-    (empty side, or RecursionError in its recursive LCS on very long sentences)."""
-    try:
-        scores = Rouge().get_scores([prediction], [ground_truth], avg=True)
-    except Exception:  # noqa: BLE001 - the reference's bare except
-        return 0.0
-    return scores["rouge-l"]["f"]
+    (empty side, or RecursionError in its recursive LCS on very long sentences, at the
+    same length as in LongBench's own fresh process: see `_official_rouge_l`)."""
+    return _official_rouge_l(prediction, ground_truth, _LONGBENCH_CALLERS)
 
 
 def rouge_zh_score(prediction: str, ground_truth: str, **kwargs) -> float:
-    """ROUGE-L on jieba words joined by spaces (no normalisation, as the reference)."""
-    return rouge_score(
+    """ROUGE-L on jieba words joined by spaces (no normalisation, as the reference, which
+    calls rouge_score from here: one frame deeper)."""
+    return _official_rouge_l(
         " ".join(jieba.cut(prediction, cut_all=False)),
         " ".join(jieba.cut(ground_truth, cut_all=False)),
+        _LONGBENCH_CALLERS + 1,
     )
 
 

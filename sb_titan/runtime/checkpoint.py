@@ -6,7 +6,10 @@ found, if at all, deep inside the ranks. Here every checkpoint folder `step-N/` 
 `sb_integrity.json` = {file: {bytes, xxh3_64}} over every file the save wrote. It is
 written once the save has finished on every rank (for an asynchronous save: when the
 next save, or the last one, waits for it), by rank 0, after the ranks have hashed their
-own files — so its presence *is* the completion marker. Loading verifies it first
+own files — so its presence *is* the completion marker. A resume loads the newest
+complete folder, skipping newer ones a crash left without a manifest (one line names
+them); the purge (`keep_latest_k`) counts complete folders only, so the last complete
+checkpoint stays until the next one is finalised. Loading verifies the manifest first
 (size and checksum of every file, no file missing or unlisted) and stops with one line
 naming the file and step; `checkpoint.fallback_to_previous` loads the newest earlier
 checkpoint that verifies instead, with a warning.
@@ -220,27 +223,62 @@ def _unverified_ok(step_dir: Path) -> bool:
     ).is_file()
 
 
+def is_complete(step_dir: Path, allow_unverified: bool) -> bool:
+    """A finished save: its manifest is there; with `allow_unverified`, also a folder
+    without one whose DCP save finished (`.metadata`, written after every rank's data),
+    i.e. a checkpoint from before integrity checks or one whose hashing was cut short."""
+    return (step_dir / MANIFEST).exists() or (allow_unverified and _unverified_ok(step_dir))
+
+
+def _newest_complete(
+    folder: Path, dirs: list[tuple[int, Path]], allow_unverified: bool
+) -> tuple[int, str | None]:
+    """The step a resume without `load_step` loads → (step, note). Newer folders whose
+    save never finished (a crash between a save and its manifest) are skipped, with one
+    line naming them and the step loaded. If no folder is complete the newest is
+    returned (and refused as incomplete), unless none has DCP's `.metadata` either: then
+    nothing was ever saved in full and the run starts as without a checkpoint (-1)."""
+    complete = [s for s, p in dirs if is_complete(p, allow_unverified)]
+    if complete and complete[0] == dirs[0][0]:
+        return complete[0], None
+    skipped = [s for s, _ in dirs if not complete or s > complete[0]]
+    names = ", ".join(f"step-{s}" for s in skipped)
+    why = f"{MANIFEST} missing: the save did not finish"
+    if complete:
+        return complete[0], (
+            f"skipping incomplete checkpoint {names} in {folder} ({why}); resuming from "
+            f"checkpoint step {complete[0]}, the newest complete one"
+        )
+    if any(_unverified_ok(p) for _, p in dirs):
+        return dirs[0][0], None  # maybe written without integrity checks: refused below
+    return -1, f"skipping incomplete checkpoint {names} in {folder} ({why}); none is complete"
+
+
 def choose_step(
     folder: Path, step: int, *, fallback: bool, allow_unverified: bool, check
 ) -> tuple[int, str | None]:
-    """The step to load from `folder` (`step` = -1: the newest `step-N`, complete or not)
-    → (step or -1 for none, warning or None). `check(step_dir)` raises
-    CheckpointIntegrityError; on one, `fallback` tries older steps, newest first."""
+    """The step to load from `folder` (`step` = -1: the newest complete `step-N`, see
+    `_newest_complete`) → (step or -1 for none, warning or None). `check(step_dir)`
+    raises CheckpointIntegrityError; on one, `fallback` tries older steps, newest first."""
     dirs = step_dirs(folder)
+    skipped = None
     if step == -1:
         if not dirs:
             return -1, None
-        step = dirs[0][0]
+        step, skipped = _newest_complete(folder, dirs, allow_unverified)
+        if step == -1:
+            return -1, skipped
     target = folder / f"step-{step}"
     try:
-        return step, _check_one(target, allow_unverified, check)
+        note = _check_one(target, allow_unverified, check)
+        return step, "; ".join(w for w in (skipped, note) if w) or None
     except CheckpointIntegrityError as e:
         if not fallback:
             raise CheckpointIntegrityError(
                 f"{e}; checkpoint.fallback_to_previous = true loads the newest earlier "
                 "checkpoint that verifies"
             ) from None
-        first = str(e)
+        first = "; ".join(w for w in (skipped, str(e)) if w)
     for s, path in dirs:
         if s >= step:
             continue
@@ -252,6 +290,23 @@ def choose_step(
         warning = f"{first}; loading checkpoint step {s} instead (checkpoint.fallback_to_previous)"
         return s, warning if note is None else f"{warning}; {note}"
     raise CheckpointIntegrityError(f"{first}; and no earlier checkpoint in {folder} verifies")
+
+
+def stale_steps(
+    folder: Path, keep: int, allow_unverified: bool, in_flight: Path | None = None
+) -> list[Path]:
+    """What a purge (`keep_latest_k` = `keep` > 0) deletes: complete checkpoints older
+    than the newest `keep` complete ones, and incomplete folders (left by a crash)
+    older than the newest complete one. A save still in flight, and any incomplete
+    folder newer than the newest complete checkpoint, never count and are never
+    deleted, so the last complete checkpoint stays until a newer one is finalised."""
+    dirs = [(s, p) for s, p in step_dirs(folder) if in_flight is None or p != Path(in_flight)]
+    complete = [(s, p) for s, p in dirs if is_complete(p, allow_unverified)]
+    if not complete:
+        return []
+    newest = complete[0][0]
+    kept = {s for s, _ in complete[:keep]}
+    return [p for s, p in reversed(dirs) if s < newest and s not in kept]
 
 
 def _check_one(step_dir: Path, allow_unverified: bool, check) -> str | None:
@@ -268,11 +323,13 @@ class IntegrityCheckpointManager(CheckpointManager):
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         fallback_to_previous: bool = False
-        """On a checkpoint that fails verification, warn and load the newest earlier one
-        that passes, instead of stopping."""
+        """On a complete checkpoint that fails verification, warn and load the newest
+        earlier one that passes, instead of stopping. (Incomplete ones, without a
+        manifest, are skipped for the newest complete one without it.)"""
         allow_unverified: bool = False
-        """Load checkpoints without a manifest (written before sb_titan checked integrity)
-        unchecked, with a warning. A folder without DCP's `.metadata` is still refused."""
+        """Count checkpoints without a manifest whose DCP save finished (`.metadata`:
+        written before sb_titan checked integrity, or hashing cut short) as complete and
+        load them unchecked, with a warning. A folder without `.metadata` is skipped."""
         verify_before_launch: bool = True
         """`--check-config` (run_train.sh, before torchrun) also checksums the checkpoint
         to be loaded: one extra read of it. Off: sizes only there; the ranks still verify
@@ -282,6 +339,7 @@ class IntegrityCheckpointManager(CheckpointManager):
         super().__init__(config, **kwargs)
         self.integrity = config
         self._unfinalized: str | None = None  # async save in flight: step folder
+        self._saving: str | None = None  # the save TorchTitan's purge runs inside
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
@@ -290,12 +348,27 @@ class IntegrityCheckpointManager(CheckpointManager):
         step_dir = self._create_checkpoint_id(curr_step)
         if _rank_world()[0] == 0 and os.path.exists(os.path.join(step_dir, MANIFEST)):
             os.remove(os.path.join(step_dir, MANIFEST))  # overwriting: not complete until done
-        saved = super()._save(curr_step, last_step)
+        self._saving = step_dir
+        try:
+            saved = super()._save(curr_step, last_step)
+        finally:
+            self._saving = None
         if saved and self.save_future is None:
             finalize(step_dir)
         elif saved:
             self._unfinalized = step_dir
         return saved
+
+    def _purge_stale_checkpoints(self) -> None:
+        """TorchTitan's purge counts every `step-N` folder, the one being saved and any a
+        crash left incomplete included, so it can delete the last complete checkpoint
+        before the new one is finalised; here only complete ones count (`stale_steps`)."""
+        if not self._should_purge():
+            return
+        for path in stale_steps(
+            Path(self.folder), self.keep_latest_k, self.integrity.allow_unverified, self._saving
+        ):
+            self.purge_queue.put(str(path))
 
     def _wait_for_saving(self) -> None:
         super()._wait_for_saving()

@@ -1,7 +1,8 @@
 """Elastic recovery: what a torchrun restart (`run_train.sh`, MAX_RESTARTS) needs.
 
-torchrun restarts the whole worker group when a rank dies; TorchTitan's checkpointer
-then resumes from the newest `step-N`. This module makes the rest of a restart clean:
+torchrun restarts the whole worker group when a rank dies; the checkpointer then
+resumes from the newest complete `step-N` (runtime/checkpoint.py). This module makes
+the rest of a restart clean:
 
   * errors that would only recur (config, data, profile) are recorded in
     `dump_folder/fatal_error.json`; the ranks of the next attempt find the record and

@@ -17,6 +17,7 @@ from sb_titan.config.toml import ConfigError, check_training_backend, load_confi
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import CheckpointIntegrityError
 from sb_titan.runtime.console import install_log_filter
+from sb_titan.util import run_lock
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
@@ -48,18 +49,26 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-def parse(argv: list[str], check: bool = False):
+def parse(argv: list[str], check: bool = False, lock: bool = False):
     """The run's config; with `check`, also everything the launch can verify before
-    spawning ranks (sb_titan.config.preflight)."""
+    spawning ranks (sb_titan.config.preflight); with `lock`, run_train.sh's dump-folder
+    lock is taken first (before the checks read the checkpoint folder), and given back
+    if a check fails."""
     import torch
 
     path, overrides = split_config_file(argv)
     config = load_config(path, overrides)
     check_training_backend(config, path, "cuda" if torch.cuda.is_available() else "cpu")
+    holder = run_lock.claim_for_launcher(config.dump_folder) if lock else None
     if check:
         from sb_titan.config.preflight import preflight
 
-        preflight(config, path)  # then the checkpoint folder: one line, no traceback
+        try:
+            preflight(config, path)  # then the checkpoint folder: one line, no traceback
+        except Exception:
+            if holder is not None:
+                run_lock.release(config.dump_folder, holder.pid, holder.run)
+            raise
     return config
 
 
@@ -77,27 +86,34 @@ def main(argv: list[str] | None = None) -> None:
     init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
     try:
-        config = parse(argv, check=check_only)
+        config = parse(argv, check=check_only, lock=prelaunch)
         if prelaunch:
             print(elastic.prelaunch(config, int(os.environ.get("MAX_RESTARTS", "0"))))
         if check_only:
             return
+        # before this process writes anything there; ranks of this run share the lock
+        holder = run_lock.claim_for_rank(config.dump_folder)
         elastic.stop_if_earlier_fatal(config.dump_folder)
-        run(config)
+        run(config, holder)
     except ConfigError as e:
         _stop("config error", e)
     except CheckpointIntegrityError as e:
         _stop("checkpoint error", e)
+    except run_lock.DumpFolderLocked as e:
+        _stop("refused", e, every_rank=True)  # recorded nowhere: the folder is not ours
 
 
-def _stop(kind: str, error: Exception) -> None:
+def _stop(kind: str, error: Exception, every_rank: bool = False) -> None:
     """One line on rank 0 (every rank raises the same), exit status 2, no traceback."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"sb_titan: {kind}: {error}", file=sys.stderr)
     raise SystemExit(2) from None
 
 
-def run(config) -> None:
+def run(config, holder: run_lock.Holder | None = None) -> None:
+    """Train (or write the seed checkpoint). `holder`: the dump-folder lock this process
+    took, released when the run ends; after a failure only a lock of a process without
+    launcher is (under torchrun the agent keeps it for the restart)."""
     import torch
     from torchtitan.tools.logging import init_logger, logger
 
@@ -117,8 +133,12 @@ def run(config) -> None:
         elastic.record_failure(config.dump_folder, e)  # the job's last line, if it fails
         if trainer is not None:
             trainer.close()
+        if holder is not None and holder.pid == os.getpid():
+            run_lock.release(config.dump_folder, holder.pid, holder.run)
         raise
     trainer.close()
+    if holder is not None:
+        run_lock.release(config.dump_folder, holder.pid, holder.run)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     logger.info("Process group destroyed")
