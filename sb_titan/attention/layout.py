@@ -17,7 +17,8 @@ class AttnMeta(NamedTuple):
     budget: torch.Tensor  # [B] float32: attention budget beta of each row
     microbatch: torch.Tensor | None = None  # 0-d int64 on CPU: index within the step
     stats: torch.Tensor | None = None
-    """[4] float32 the sparse layers add their AttnStats.totals() into (the trainer makes
+    """[STATS_SIZE] float32 (layout: selection.STATS_FIELDS) the sparse layers add their
+    AttnStats.totals() into (the trainer makes
     one per micro-batch and reads it after the step): statistics leave the transformer
     block as a tensor, not as a Python side effect."""
     cp_blocks: torch.Tensor | None = None
