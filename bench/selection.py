@@ -38,7 +38,7 @@ from context_parallel import pack_rows, synthetic_qk  # noqa: E402
 
 from sb_titan.attention.block_scores import SCORERS  # noqa: E402
 from sb_titan.attention.layout import AttnMeta, doc_ids_from_lengths  # noqa: E402
-from sb_titan.attention.ops import attention_forward, select  # noqa: E402
+from sb_titan.attention.ops import attention_forward, measure_true_recall, select  # noqa: E402
 from sb_titan.attention.selection import STATS_SIZE  # noqa: E402
 from sb_titan.attention.sparse import sparse_attention  # noqa: E402
 from sb_titan.eval.checkpoint import build_model, load_from_hf  # noqa: E402
@@ -182,7 +182,8 @@ def synthetic_rows(args, done: set) -> None:
 
 def costs(args) -> list[dict]:
     """Each scorer's selection time per layer against the attention forward it selects
-    for (CPU, one thread, 4096 tokens, the base's heads; median of 3), and its FLOPs and
+    for (CPU, one thread, 4096 tokens, the base's heads; median of 3; process CPU time,
+    so that other processes on a shared machine do not enter the ratio), and its FLOPs and
     bytes per kv head at 32K for a GPU, beside attention's at density 0.3."""
     L = 1024 if args.quick else 4096
     g = torch.Generator().manual_seed(1)
@@ -193,13 +194,13 @@ def costs(args) -> list[dict]:
     for scorer in SCORERS:
         times = []
         for _ in range(3):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             table, _ = select(q, k, doc_id, 0.3, policy="topk", block_size=64, scale=scale,
                               scorer=scorer)  # fmt: skip
-            times.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+            times.append(time.process_time() - t0)
+        t0 = time.process_time()
         attention_forward(q, k, v, doc_id, table, scale, "torch")
-        attn = time.perf_counter() - t0
+        attn = time.process_time() - t0
         out.append({"scorer": scorer, "select_s": sorted(times)[1], "attention_fwd_s": attn,
                     "select_over_attention_fwd": sorted(times)[1] / attn,
                     **gpu_cost(scorer, 32768, 64, 128, 7)})  # fmt: skip
@@ -209,7 +210,8 @@ def costs(args) -> list[dict]:
 def sampling_cost(args, repeats: int = 5) -> dict:
     """True recall's share of a training step: forward + backward of the accuracy base
     (3 sparse layers, `mean`, budget 0.5) on one 4096-token document, with the sampled
-    measurement at rate 1 and off, interleaved, medians of `repeats`."""
+    measurement at rate 1 and off, interleaved, medians of `repeats` (process CPU time,
+    one thread: a shared machine's other load does not enter it)."""
     loaded = load_from_hf(BASE, attention="sparse")
     model = loaded.model
     L = 1024 if args.quick else 4096
@@ -223,15 +225,31 @@ def sampling_cost(args, repeats: int = 5) -> dict:
             meta = AttnMeta(torch.zeros(1, L, dtype=torch.int32), torch.full((1,), 0.5), None,
                             torch.zeros(STATS_SIZE))  # fmt: skip
             model.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             model(ids, positions=torch.arange(L)[None], attention_masks=meta).float().logsumexp(
                 -1
             ).mean().backward()
-            times[rate].append(time.perf_counter() - t0)
+            times[rate].append(time.process_time() - t0)
     on, off = (sorted(t)[len(t) // 2] for t in times.values())
     spread = {r: (min(t), max(t)) for r, t in times.items()}
+    # the measurement alone, on one sparse layer's shape, times the sparse layers: far
+    # less noisy than the difference of two whole steps on a shared machine
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, h, L, 64, generator=g) for h in (4, 2, 2))
+    doc_id = torch.zeros(1, L, dtype=torch.int64)
+    table, _ = select(q, k, doc_id, 0.5, policy="topk", block_size=64, scale=0.125)
+    _, lse = attention_forward(q, k, v, doc_id, table, 0.125, "torch")
+    op = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        measure_true_recall(q, k, doc_id, lse, table, scale=0.125, rate=1.0, lse_base2=False)
+        op.append(time.process_time() - t0)
+    layers = sum(layer.attention.inner_attention.config.sparse for layer in model.layers.values())
+    op_share = layers * min(op) / min(times[0.0])
     return {"step_s_with": on, "step_s_without": off, "share": on / off - 1,
-            "min_max_with": spread[1.0], "min_max_without": spread[0.0], "tokens": L}  # fmt: skip
+            "min_max_with": spread[1.0], "min_max_without": spread[0.0], "tokens": L,
+            "op_s_per_layer_min": min(op), "sparse_layers": layers,
+            "op_share_of_step": op_share}  # fmt: skip
 
 
 def gpu_cost(scorer: str, L: int, bs: int, d: int, group: int) -> dict:
