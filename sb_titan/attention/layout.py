@@ -18,9 +18,8 @@ class AttnMeta(NamedTuple):
     microbatch: torch.Tensor | None = None  # 0-d int64 on CPU: index within the step
     stats: torch.Tensor | None = None
     """[STATS_SIZE] float32 (layout: selection.STATS_FIELDS) the sparse layers add their
-    AttnStats.totals() into (the trainer makes
-    one per micro-batch and reads it after the step): statistics leave the transformer
-    block as a tensor, not as a Python side effect."""
+    AttnStats.totals() into (the trainer makes one per micro-batch and reads it after the
+    step): statistics leave the transformer block as a tensor, not as a Python side effect."""
     cp_blocks: torch.Tensor | None = None
     """Context parallelism: [B, N, NB / N] int64, the query blocks each CP rank owns
     (context_parallel.split.CPSplit.blocks); doc_id then covers the full row while the
