@@ -150,7 +150,12 @@ def _exchange_worker(microbatches: int, repeats: int) -> None:
         "dp": dist.get_rank(),
         "pp": 0,
         "seconds": {mb: rng.random() for mb in range(microbatches)},
-        "stats": {mb: [rng.random(), 1.0, rng.random(), 64.0] for mb in range(microbatches)},
+        # STATS_FIELDS: density, rows, recall and tokens, then the sampled true recall,
+        # top-key hits and samples
+        "stats": {
+            mb: [rng.random(), 1.0, rng.random(), 64.0, rng.random(), 1.0, 4.0]
+            for mb in range(microbatches)
+        },
         "step_seconds": 1.0,
     }
     times = []
