@@ -225,7 +225,12 @@ def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCa
     control puts the old L x L mask path there)."""
     calls = AttentionCalls()
 
-    def sparse(q, k, v, doc_id, budget, *, policy, block_size, scale=None, backend="auto"):
+    def sparse(
+        q, k, v, doc_id, budget, *, policy, block_size, scale=None, backend="auto",
+        scorer="mean", true_recall_rate=0.0,
+    ):  # fmt: skip
+        # selection's and true recall's working memory is transient and bounded by
+        # block_scores.SCORE_ELEMENTS (64 MiB of scores at a time) whatever the length
         calls.sparse += 1
         with torch.no_grad():
             table = _fake_selection(q.detach(), k.detach(), doc_id, block_size, beta)
