@@ -210,6 +210,8 @@ def release(dump_folder: str | os.PathLike, pid: int, run: str) -> bool:
     if holder is None or holder.run != run or not _same_process(holder, pid):
         return False
     path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # a folder the lock alone made (a refused launch)
+        path.parent.rmdir()  # only if empty: a run's outputs keep it
     return True
 
 
