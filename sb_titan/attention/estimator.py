@@ -40,6 +40,16 @@ def token_doc_start(doc_id: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(is_start, pos, 0), dim=1).values
 
 
+def attending(doc_id: torch.Tensor) -> torch.Tensor:
+    """[B, L] bool: the token's document has >= 2 tokens (padding and one-token documents
+    attend to nothing but themselves)."""
+    same_prev = torch.zeros_like(doc_id, dtype=torch.bool)
+    same_prev[:, 1:] = doc_id[:, 1:] == doc_id[:, :-1]
+    same_next = torch.zeros_like(same_prev)
+    same_next[:, :-1] = same_prev[:, 1:]
+    return same_prev | same_next
+
+
 def block_first_doc(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
     """[B, NB]: document of the first token of each block."""
     return doc_id[:, ::block_size]

@@ -22,7 +22,7 @@ import math
 import torch
 
 from sb_titan.attention.block_scores import SCORE_ELEMENTS
-from sb_titan.attention.estimator import num_blocks, token_doc_start
+from sb_titan.attention.estimator import attending, num_blocks, token_doc_start
 
 _MASK32 = 0xFFFFFFFF
 
@@ -33,16 +33,6 @@ def _hash32(x: torch.Tensor, salt: int) -> torch.Tensor:
     x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _MASK32
     x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _MASK32
     return x ^ (x >> 16)
-
-
-def attending(doc_id: torch.Tensor) -> torch.Tensor:
-    """[B, L] bool: the token's document has >= 2 tokens (padding and one-token documents
-    attend to nothing but themselves)."""
-    same_prev = torch.zeros_like(doc_id, dtype=torch.bool)
-    same_prev[:, 1:] = doc_id[:, 1:] == doc_id[:, :-1]
-    same_next = torch.zeros_like(same_prev)
-    same_next[:, :-1] = same_prev[:, 1:]
-    return same_prev | same_next
 
 
 def sample_positions(

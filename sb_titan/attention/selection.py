@@ -28,6 +28,7 @@ import torch
 
 from sb_titan.attention.block_scores import check_scorer, score_chunks
 from sb_titan.attention.estimator import (
+    attending,
     block_mass_chunks,
     check_estimator,
     num_blocks,
@@ -144,11 +145,7 @@ def attending_tokens(doc_id: torch.Tensor, block_size: int) -> torch.Tensor:
     padded row look more accurate than a full one at the same budget.
     """
     B, L = doc_id.shape
-    same_prev = torch.zeros_like(doc_id, dtype=torch.bool)
-    same_prev[:, 1:] = doc_id[:, 1:] == doc_id[:, :-1]
-    same_next = torch.zeros_like(same_prev)
-    same_next[:, :-1] = same_prev[:, 1:]
-    real = (same_prev | same_next).float()
+    real = attending(doc_id).float()
     nb = num_blocks(L, block_size)
     real = torch.nn.functional.pad(real, (0, nb * block_size - L))
     return real.view(B, nb, block_size).sum(-1)
