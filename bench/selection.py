@@ -27,6 +27,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -95,12 +96,13 @@ def _ratios(s: torch.Tensor) -> dict:
     }
 
 
-def calibrate(model, docs, target: float, iters: int) -> float:
-    """The `mass` budget whose realised density over `docs` is closest to `target`."""
+def calibrate(density_at: Callable[[float], float], target: float, iters: int) -> float:
+    """The `mass` budget whose realised density (`density_at(beta)`) is closest to
+    `target`, by bisection (density grows with beta)."""
     lo, hi, best = 0.02, 1.0, (math.inf, 1.0)
     for _ in range(iters):
         beta = (lo + hi) / 2
-        rho = run_documents(model, docs, beta)["density"]
+        rho = density_at(beta)
         best = min(best, (abs(rho - target), beta))
         lo, hi = (beta, hi) if rho < target else (lo, beta)
     return best[1]
@@ -130,7 +132,11 @@ def model_rows(args, name: str, model, docs, calib_docs, done: set) -> None:
             _configure(model, scorer, policy)
             t0 = time.perf_counter()
             budget = (
-                target if policy == "topk" else calibrate(model, calib_docs, target, args.iters)
+                target
+                if policy == "topk"
+                else calibrate(
+                    lambda b: run_documents(model, calib_docs, b)["density"], target, args.iters
+                )
             )
             got = run_documents(model, docs, budget)
             if name != "base":
@@ -156,16 +162,16 @@ def synthetic_rows(args, done: set) -> None:
             if ("synthetic", scorer, policy, target) in done:
                 continue
             budget = target
-            if policy == "mass":  # bisection on the layers' mean density
-                lo, hi = 0.02, 1.0
-                for _ in range(args.iters):
-                    budget = (lo + hi) / 2
-                    rho = sum(
-                        float(select(q, k, doc_id, budget, policy=policy, block_size=64,
+            if policy == "mass":  # calibrated on the layers' mean density
+
+                def density_at(beta: float, scorer=scorer) -> float:
+                    return sum(
+                        float(select(q, k, doc_id, beta, policy="mass", block_size=64,
                                      scale=q.shape[-1] ** -0.5, scorer=scorer)[1].density.mean())
                         for q, k in layers
                     ) / len(layers)  # fmt: skip
-                    lo, hi = (budget, hi) if rho < target else (lo, budget)
+
+                budget = calibrate(density_at, target, args.iters)
             sums = torch.zeros(STATS_SIZE, dtype=torch.float64)
             for q, k in layers:
                 _, st = sparse_attention(q, k, torch.randn_like(k), doc_id, budget, policy=policy,

@@ -174,8 +174,7 @@ class SBAttention(Module):
         """The configured rate in forwards that count as training compute; 0 in an eager
         activation-recompute forward (compiled, the recompute graph drops the op: its
         outputs feed only the statistics)."""
-        counted = torch.compiler.is_compiling() or not in_backward_recompute()
-        return self.config.true_recall_rate if counted else 0.0
+        return self.config.true_recall_rate if _counts_as_training() else 0.0
 
 
 class CPGroup(NamedTuple):
@@ -183,9 +182,13 @@ class CPGroup(NamedTuple):
     group_name: str
 
 
+def _counts_as_training() -> bool:
+    """Activation recomputation repeats the forward inside backward: count it once.
+    Compiled, the recompute lives in the backward graph, which never replays the
+    forward's input mutations (nor ops whose outputs only feed them)."""
+    return torch.compiler.is_compiling() or not in_backward_recompute()
+
+
 def _add_stats(meta: AttnMeta, totals: torch.Tensor) -> None:
-    # Activation recomputation repeats the forward inside backward: count once.
-    # Compiled, the recompute lives in the backward graph, which never replays
-    # the forward's input mutations.
-    if meta.stats is not None and (torch.compiler.is_compiling() or not in_backward_recompute()):
+    if meta.stats is not None and _counts_as_training():
         meta.stats.add_(totals)
