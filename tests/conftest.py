@@ -218,3 +218,43 @@ def from_seed(seed_ckpt: Path, steps: int) -> list[str]:
         "--training.steps",
         str(steps),
     ]
+
+
+# -- kernel tests' child processes (tests/test_kernels.py, tests/test_block_max_kernel.py)
+KERNEL_CHILD_TIMEOUT_S = 600
+
+
+def start_kernel_child(script: str, mode: str, env: dict[str, str]) -> subprocess.Popen:
+    """`python SCRIPT MODE`: a fresh interpreter, so the Triton interpreter setting (read
+    when Triton is imported) never leaks between the interpreter, AOT and GPU runs."""
+    env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    if mode in ("aot", "gpu"):
+        env.pop("TRITON_INTERPRET", None)
+        env.pop("SB_TRITON_UPCAST", None)
+    return subprocess.Popen(
+        [sys.executable, script, mode],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def collect_kernel_child(proc: subprocess.Popen) -> dict:
+    """The JSON a child printed last; its stderr tail if it failed."""
+    try:
+        stdout, stderr = proc.communicate(timeout=KERNEL_CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    if proc.returncode != 0:
+        pytest.fail(f"child failed ({proc.returncode}):\n{stderr[-4000:]}")
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def stop_kernel_children(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -11,7 +11,6 @@ shapes with the compiled kernel. Each child prints one JSON document.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD_TIMEOUT_S = 600
 
 
 class Case(NamedTuple):
@@ -156,28 +154,15 @@ def _child_aot() -> dict:
 
 
 def _start_child(mode: str, env: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, **env, "OMP_NUM_THREADS": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
-    if mode in ("aot", "gpu"):
-        env.pop("TRITON_INTERPRET", None)
-    return subprocess.Popen(
-        [sys.executable, __file__, mode],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    from conftest import start_kernel_child  # not at the top: a child runs this file bare
+
+    return start_kernel_child(__file__, mode, env)
 
 
 def _collect(proc: subprocess.Popen) -> dict:
-    try:
-        stdout, stderr = proc.communicate(timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0:
-        pytest.fail(f"child failed ({proc.returncode}):\n{stderr[-4000:]}")
-    return json.loads(stdout.strip().splitlines()[-1])
+    from conftest import collect_kernel_child
+
+    return collect_kernel_child(proc)
 
 
 @pytest.fixture(scope="module")
@@ -187,10 +172,9 @@ def children() -> dict[str, subprocess.Popen]:
         "aot": _start_child("aot", {}),
     }
     yield procs
-    for p in procs.values():
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    from conftest import stop_kernel_children
+
+    stop_kernel_children(procs)
 
 
 @pytest.fixture(scope="module")
