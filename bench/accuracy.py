@@ -143,10 +143,10 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
         Variant("static_default", static(BETA0), BETA0, f"static β={BETA0} (the default)"),
         Variant(f"static_{low:g}", static(low), low, f"static β={low:g}"),
         Variant(
-            "static_half",
-            (*static(0.5), "--sparse_attention.policy", "topk"),
-            0.5,
-            "static, half the blocks (topk β=0.5)",
+            "static_old_default",
+            (*static(0.9), "--sparse_attention.scorer", "mean", "--sparse_attention.policy", "mass"),
+            0.9,
+            "static mean/mass β=0.9 (the old default)",
         ),  # fmt: skip
         Variant("sab_static", (*sab, "--dst.beta0", str(BETA0)), BETA0, f"SAB, static β={BETA0}"),
         Variant("sab_dst_mean", (*dst, "--dst.anchor", "mean"), BETA0, "SAB+DST (mean)"),
