@@ -179,7 +179,7 @@ def _int4_max_chunks(q, k, doc_start, block_size, scale, estimator, allowed) -> 
     else:
 
         def block_max(start: int, end: int) -> torch.Tensor:
-            return block_max_ref(*codes, doc_start, block_size, start, end, SCORE_ELEMENTS)
+            return block_max_ref(*codes, doc_start, block_size, start, end)
 
     def chunk(start: int, end: int):
         s = block_max(start, end) * scale
