@@ -146,7 +146,13 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
         Variant(f"static_{low:g}", static(low), low, f"static β={low:g}"),
         Variant(
             "static_old_default",
-            (*static(0.9), "--sparse_attention.scorer", "mean", "--sparse_attention.policy", "mass"),
+            (
+                *static(0.9),
+                "--sparse_attention.scorer",
+                "mean",
+                "--sparse_attention.policy",
+                "mass",
+            ),
             0.9,
             "static mean/mass β=0.9 (the old default)",
         ),  # fmt: skip
@@ -261,7 +267,10 @@ def sha256(path: Path) -> str:
 
 
 def load_results(path: Path, settings: dict) -> dict:
-    """Results of earlier runs with the same settings (a changed study starts afresh)."""
+    """Results of earlier runs with the same settings (a changed study starts afresh).
+    The variants are not settings: each run records its overrides, and run_study reuses
+    a run only while its variant's overrides are unchanged, so a study can be grown
+    variant by variant (--variants, --seeds) into one results file."""
     if path.is_file():
         data = json.loads(path.read_text())
         if data.get("settings") == settings:
@@ -278,8 +287,14 @@ def run_study(args: argparse.Namespace) -> None:
     seeds = [int(s) for s in (args.seeds or ("0" if quick else "0,1,2")).split(",")]
     sweep = tuple(float(b) for b in args.sweep.split(",")) if args.sweep else ()
     chosen = variants(args.low, () if quick else sweep)
+    names = args.variants.split(",") if args.variants else None
     if quick:
-        chosen = [v for v in chosen if v.name in ("dense", "sab_dst_recall")]
+        names = names or ["dense", "sab_dst_recall"]
+    if names:
+        unknown = sorted(set(names) - {v.name for v in chosen})
+        if unknown:
+            sys.exit(f"--variants: unknown {unknown}; known: {[v.name for v in chosen]}")
+        chosen = [v for v in chosen if v.name in names]
     extra = ["--hf_assets_path", str(base)] + (["--training.seq_len", "1024"] if quick else [])
     n_docs = 8 if quick else args.docs
     lengths = (1024,) if quick else HELDOUT_LENGTHS  # quick: within the base's context
@@ -289,8 +304,6 @@ def run_study(args: argparse.Namespace) -> None:
         "steps": steps,
         "extra": extra,
         "heldout": {"seed": HELDOUT_SEED, "lengths": list(lengths), "docs": n_docs},
-        "variants": {v.name: list(v.overrides) for v in chosen},
-        "sweep_seeds": seeds[:1],
     }
     out_path = Path(args.out)
     results = load_results(out_path, settings)
@@ -304,7 +317,7 @@ def run_study(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     for i, (v, seed) in enumerate(plan):
         key = f"{v.name}/seed{seed}"
-        if key in results["runs"]:
+        if results["runs"].get(key, {}).get("overrides") == list(v.overrides):
             continue
         dump = root / v.name / f"seed{seed}"
         t_run = time.perf_counter()
@@ -314,7 +327,8 @@ def run_study(args: argparse.Namespace) -> None:
             data = ["--dataloader.synthetic_seed", str(1 + seed), "--debug.seed", str(seed)]
             train_args = ["--training.steps", str(steps), *data, *extra]
             torchrun(FINETUNE, dump, [*train_args, *v.overrides], root / f"{v.name}_seed{seed}.log")
-        run = {"variant": v.name, "seed": seed, "series": series(dump)}
+        run = {"variant": v.name, "seed": seed, "overrides": list(v.overrides)}
+        run["series"] = series(dump)
         run.update(
             evaluate(dump / "checkpoint", FINETUNE, v.eval_budget, docs, [*extra, *v.attention])
         )
@@ -329,7 +343,7 @@ def run_study(args: argparse.Namespace) -> None:
             flush=True,
         )
     if not quick:
-        write_report(results, chosen)
+        write_report(results, variants(args.low, sweep))
 
 
 # ---------------------------------------------------------------- statistics
@@ -396,11 +410,14 @@ def summarize(results: dict, chosen: list[Variant]) -> dict:
         }
         if v.name in timing:
             row["step_s"] = timing[v.name]
-        for ref in ("dense", "sab_static"):
+        for ref in ("dense", "sab_static"):  # paired on the seeds both have
             ref_seeds, ref_em = _em_matrix(results, ref, "dense" if ref == "dense" else "sparse")
             common = sorted(set(seeds) & set(ref_seeds))
-            if ref != v.name and len(common) == len(seeds) == len(ref_seeds):
-                row[f"vs_{ref}"] = bootstrap(em, ref_em)
+            if ref != v.name and common:
+                row[f"vs_{ref}"] = bootstrap(
+                    em[[seeds.index(c) for c in common]],
+                    ref_em[[ref_seeds.index(c) for c in common]],
+                )
         out[v.name] = row
     return out
 
@@ -698,6 +715,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 variants, 1 seed, 3 steps")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
+    parser.add_argument("--variants", default=None, help="comma-separated names (default all)")
     parser.add_argument("--low", type=float, default=0.1, help="the static budget that hurts")
     parser.add_argument("--sweep", default="0.3,0.2", help="more static budgets, first seed")
     parser.add_argument("--docs", type=int, default=64, help="held-out documents")
