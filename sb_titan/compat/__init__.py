@@ -6,9 +6,20 @@ Nothing here runs at import: entry points call `install()` (sb-train, the tools,
 TorchTitan-native launch through config_registry), and import order does not matter.
 
     autograd.py     whether autograd is running a backward (recompute detection)
+    checkpoint.py   TorchTitan's checkpoint manager (its new home) and its private
+                    save / load / purge steps as public hooks
+    data.py         TorchTitan's data-loader base class (0.3.0, main, or the contract);
+                    stopping a torchdata Prefetcher's thread
     device.py       TorchTitan's device handling on a machine without an accelerator
-    distributed.py  set_timeout backport; gloo's missing PREMUL_SUM under FSDP
-    pipelining.py   the pre-split pipeline step() (torch < 2.14); a schedule's settings
+    distributed.py  set_timeout backport; gloo's missing PREMUL_SUM under FSDP; the
+                    functional collectives
+    metrics.py      which rank TorchTitan's metrics loggers write on
+    models.py       TorchTitan's decoder returning hidden states (no lm_head)
+    pipelining.py   the pre-split pipeline step() (torch < 2.14); a schedule's settings;
+                    its shape-inference forward; Interleaved1F1B's order; TorchTitan's
+                    stage split
+
+tests/test_private_api_fence.py fails on a private touch anywhere else.
 """
 
 from __future__ import annotations

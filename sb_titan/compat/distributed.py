@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 
 def backport_set_timeout() -> None:
+    """`dist.set_timeout` (TorchTitan calls it after the first step) on a torch without
+    it, over the private `_set_pg_timeout` it wraps."""
     if hasattr(dist, "set_timeout"):
         return
     from torch.distributed import distributed_c10d
@@ -47,6 +49,8 @@ def reduce_scatter_single(x: torch.Tensor, dim: int, group_name: str) -> torch.T
 
 
 def group_size(group_name: str) -> int:
+    """Size of the process group registered as `group_name` (the functional
+    collectives address groups by name; torch's lookup by name is private)."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_group_size_by_name(group_name)

@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
-from torchtitan.components.dataloader import BaseDataLoader
 
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import MicroBatchPlan, Planner, SABConfig
 from sb_titan.balance.snapshots import CostModelSnapshots, PlanningCancelled
 from sb_titan.balance.units import ScheduledStep, schedule_step
+from sb_titan.compat.data import BaseDataLoader, stop_prefetcher
 from sb_titan.data.source import TokenSource
 
 IGNORE_INDEX = -100
@@ -287,9 +287,7 @@ class SBDataLoader(BaseDataLoader):
         at exit can abort the process after training has finished."""
         if self.planning.snapshots is not None:
             self.planning.snapshots.close()  # a planner waiting for a snapshot gives up
-        worker = getattr(self._root, "_it", None)
-        if worker is not None:
-            worker._shutdown()
+        stop_prefetcher(self._root)
 
 
 def _token_count_cost(doc_lens: list[int]) -> float:

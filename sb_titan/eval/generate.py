@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from sb_titan.attention.layout import AttnMeta
+from sb_titan.compat.models import hidden_states_only
 
 
 class CachedAttention(nn.Module):
@@ -83,13 +84,9 @@ def forward_last_logits(
     without materialising [B, L, vocab] (the head runs on the last hidden state only)."""
     B, L = tokens.shape
     positions = torch.arange(start, start + L, device=tokens.device).expand(B, L)
-    skip = model._skip_lm_head
-    model._skip_lm_head = True
-    try:
+    with hidden_states_only(model):
         meta = uniform_meta(B, L, budget, tokens.device)
         h = model(tokens, positions=positions, attention_masks=meta)
-    finally:
-        model._skip_lm_head = skip
     return model.lm_head(h[:, -1]).float()
 
 

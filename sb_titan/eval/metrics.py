@@ -11,6 +11,7 @@ the `eval` extra: `pip install 'sb-titan[eval]'`.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import string
@@ -124,7 +125,7 @@ _ROUGE_LOCK = threading.Lock()
 
 def _stack_depth() -> int:
     """Frames on the calling thread's stack, the caller included."""
-    depth, frame = 0, sys._getframe(1)
+    depth, frame = 0, inspect.currentframe().f_back
     while frame is not None:
         depth, frame = depth + 1, frame.f_back
     return depth

@@ -9,12 +9,12 @@ import dataclasses
 import platform
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from sb_titan.compat.pipelining import llm_stage_modules, pipeline_metadata
 from sb_titan.models.qwen2_5.attention import SBAttention
 
 CPU_MAX_STAGE_PARAMS = 60_000_000  # beyond this a CPU grid takes hours, not minutes
@@ -42,15 +42,9 @@ def stage_module_names(config: Any, stage: int) -> list[str]:
         return ["tok_embeddings", *(f"layers.{i}" for i in range(n_layers)), "norm", "lm_head"]
     parts = p.module_fqns_per_model_part
     if parts is None:
-        from torchtitan.distributed.pipeline_parallel import (
-            _generate_llm_fqn_per_model_part,
-            _get_pipeline_metadata,
-        )
-
-        dims = SimpleNamespace(pp=p.pipeline_parallel_degree)
         try:
-            n_stages, n_layers, w_in, w_out = _get_pipeline_metadata(dims, p, model_cfg)
-            parts = _generate_llm_fqn_per_model_part(n_stages, n_layers, w_in, w_out)
+            meta = pipeline_metadata(p.pipeline_parallel_degree, p, model_cfg)
+            parts = llm_stage_modules(*meta)
         except ValueError as e:
             raise ProfilerError(f"[parallelism] {e}") from None
     if not 0 <= stage < len(parts):

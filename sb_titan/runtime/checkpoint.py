@@ -31,9 +31,9 @@ from typing import Any
 
 import torch.distributed as dist
 import xxhash
-from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.tools.logging import logger
 
+from sb_titan.compat.checkpoint import CheckpointHooks
 from sb_titan.util.files import write_atomic
 
 MANIFEST = "sb_integrity.json"
@@ -317,11 +317,11 @@ def _check_one(step_dir: Path, allow_unverified: bool, check) -> str | None:
 
 
 # -- TorchTitan's checkpointer, with integrity ---------------------------------------------------
-class IntegrityCheckpointManager(CheckpointManager):
+class IntegrityCheckpointManager(CheckpointHooks):
     """TorchTitan's DCP CheckpointManager + a checksum manifest per save, verified on load."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):
+    class Config(CheckpointHooks.Config):
         fallback_to_previous: bool = False
         """On a complete checkpoint that fails verification, warn and load the newest
         earlier one that passes, instead of stopping. (Incomplete ones, without a
@@ -341,16 +341,16 @@ class IntegrityCheckpointManager(CheckpointManager):
         self._unfinalized: str | None = None  # async save in flight: step folder
         self._saving: str | None = None  # the save TorchTitan's purge runs inside
 
-    def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        if not self._should_save(curr_step, last_step):
+    def save_checkpoint(self, curr_step: int, last_step: bool) -> bool:
+        if not self.should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()  # finalizes the previous async save first
-        step_dir = self._create_checkpoint_id(curr_step)
+        step_dir = self.checkpoint_dir(curr_step)
         if _rank_world()[0] == 0 and os.path.exists(os.path.join(step_dir, MANIFEST)):
             os.remove(os.path.join(step_dir, MANIFEST))  # overwriting: not complete until done
         self._saving = step_dir
         try:
-            saved = super()._save(curr_step, last_step)
+            saved = self.stock_save(curr_step, last_step)
         finally:
             self._saving = None
         if saved and self.save_future is None:
@@ -359,24 +359,23 @@ class IntegrityCheckpointManager(CheckpointManager):
             self._unfinalized = step_dir
         return saved
 
-    def _purge_stale_checkpoints(self) -> None:
+    def purge_stale(self) -> None:
         """TorchTitan's purge counts every `step-N` folder, the one being saved and any a
         crash left incomplete included, so it can delete the last complete checkpoint
         before the new one is finalised; here only complete ones count (`stale_steps`)."""
-        if not self._should_purge():
+        if not self.should_purge():
             return
         for path in stale_steps(
             Path(self.folder), self.keep_latest_k, self.integrity.allow_unverified, self._saving
         ):
             self.purge_queue.put(str(path))
 
-    def _wait_for_saving(self) -> None:
-        super()._wait_for_saving()
+    def saving_finished(self) -> None:
         if self._unfinalized is not None:
             step_dir, self._unfinalized = self._unfinalized, None
             finalize(step_dir)
 
-    def _load(self, step: int = -1) -> bool:
+    def load_checkpoint(self, step: int) -> bool:
         folder = Path(self.folder)
         if folder.exists():
             step, warning = choose_step(
@@ -394,7 +393,7 @@ class IntegrityCheckpointManager(CheckpointManager):
                 verify_everywhere(path)
             else:
                 logger.warning(f"{path} has no {MANIFEST}: loading it unverified")
-        return super()._load(step)
+        return self.stock_load(step)
 
 
 def check_checkpoint_folder(config) -> None:

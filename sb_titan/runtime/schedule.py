@@ -27,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
 from torchtitan.protocols.model_spec import ModelSpec
 
 from sb_titan.compat.pipelining import (
+    ShapeInferenceHook,
     has_presplit_step,
     presplit_step,
     schedule_settings,
@@ -35,7 +36,7 @@ from sb_titan.compat.pipelining import (
 from sb_titan.runtime.context import RunContext
 
 
-class MicrobatchAwareSchedule:
+class MicrobatchAwareSchedule(ShapeInferenceHook):
     """Mixin over a torch pipeline schedule; see the module docstring. The trainer
     replaces `run_context` with its own."""
 
@@ -53,13 +54,8 @@ class MicrobatchAwareSchedule:
 
         return run
 
-    def _initialize_stage(self, *args, **kwargs):
-        with self.run_context.paused():  # shape inference runs a forward: not a micro-batch
-            return super()._initialize_stage(*args, **kwargs)
-
-    def _initialize_stages(self, *args, **kwargs):
-        with self.run_context.paused():
-            return super()._initialize_stages(*args, **kwargs)
+    def shape_inference(self):
+        return self.run_context.paused()  # shape inference runs a forward: not a micro-batch
 
     def step(
         self,

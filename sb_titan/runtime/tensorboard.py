@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from torchtitan.components.metrics import BaseLogger
 
+from sb_titan.compat.metrics import metrics_rank
 from sb_titan.runtime.elastic import restart_count
 
 
@@ -151,19 +152,22 @@ def _mtime(path: Path) -> float:
     return path.stat().st_mtime
 
 
-def add_run_tensorboard(metrics, config, parallel_dims) -> None:
+def add_run_tensorboard(metrics, config, parallel_dims) -> RunTensorBoardLogger | None:
     """TorchTitan's TensorBoard logger (same ranks, same tb/<run>[/rank_<r>] layout),
-    but restart-aware: see elastic.RunTensorBoardLogger."""
-    from torchtitan.components.metrics import LoggerContainer, _get_metrics_rank
+    but restart-aware: see elastic.RunTensorBoardLogger. Returns it, or None on a rank
+    that does not write."""
+    from torchtitan.components.metrics import LoggerContainer
 
     cfg = config.metrics
     rank = dist.get_rank()
     if not cfg.save_for_all_ranks:
         schedule = config.parallelism.pipeline_parallel_schedule
-        if rank != _get_metrics_rank(parallel_dims=parallel_dims, pp_schedule=schedule):
-            return
+        if rank != metrics_rank(parallel_dims, schedule):
+            return None
     if not isinstance(metrics.logger, LoggerContainer):
         metrics.logger = LoggerContainer()
     sub = f"rank_{rank}" if cfg.save_for_all_ranks else None
     tb_root = os.path.join(config.dump_folder, cfg.save_tb_folder)
-    metrics.logger.add_logger(RunTensorBoardLogger(tb_root, sub))
+    tensorboard = RunTensorBoardLogger(tb_root, sub)
+    metrics.logger.add_logger(tensorboard)
+    return tensorboard

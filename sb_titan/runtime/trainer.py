@@ -66,7 +66,7 @@ from sb_titan.runtime.measurements import (
     encode_measurements,
 )
 from sb_titan.runtime.schedule import with_microbatch_schedules
-from sb_titan.runtime.tensorboard import RunTensorBoardLogger, add_run_tensorboard
+from sb_titan.runtime.tensorboard import add_run_tensorboard
 from sb_titan.runtime.verify import assert_same_everywhere, plan_digest
 from sb_titan.util.repeats import Repeats
 
@@ -138,8 +138,11 @@ class SBTrainer(Trainer):
         with _as_torchtitan_builds(config, planning) as tensorboard:
             super().__init__(config)
         self._first_step: int | None = None
+        self._tensorboard = None
         if tensorboard:
-            add_run_tensorboard(self.metrics_processor, config, self.parallel_dims)
+            self._tensorboard = add_run_tensorboard(
+                self.metrics_processor, config, self.parallel_dims
+            )
         source = self.dataloader.source  # checked before spawning too (config/preflight.py)
         check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
         if note := check_tokenizer(source, config.hf_assets_path):
@@ -352,9 +355,8 @@ class SBTrainer(Trainer):
         self._first_step = first_step
         for stem in ("samples", "attention"):
             elastic.truncate_step_log(self._rank_file(stem), first_step)
-        for metric_logger in getattr(self.metrics_processor.logger, "_loggers", []):
-            if isinstance(metric_logger, RunTensorBoardLogger):
-                metric_logger.start(first_step)
+        if self._tensorboard is not None:
+            self._tensorboard.start(first_step)
 
     def _rank_file(self, stem: str) -> str:
         os.makedirs(self.config.dump_folder, exist_ok=True)

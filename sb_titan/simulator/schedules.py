@@ -42,7 +42,7 @@ def schedule_orders(
         return [[Action(k, 0, i) for i in range(microbatches) for k in "FB"]]
     if schedule in ("1F1B", "GPipe"):
         return [_single_stage_order(schedule, pp, microbatches, s) for s in range(pp)]
-    from torch.distributed.pipelining import schedules as S
+    from sb_titan.compat.pipelining import interleaved_1f1b_order
 
     rounds = max(1, microbatches // pp)
     if microbatches % rounds:
@@ -50,18 +50,9 @@ def schedule_orders(
             f"Interleaved1F1B needs microbatches ({microbatches}) to be a multiple of "
             f"max(1, microbatches // pp) = {rounds}"
         )
-    sched = object.__new__(S.ScheduleInterleaved1F1B)
-    sched.pp_group_size, sched.n_local_stages = pp, virtual
-    sched._n_microbatches, sched.number_of_rounds = microbatches, rounds
-    sched.microbatches_per_round = microbatches // rounds
-    kinds = {S._ComputationType.FORWARD: "F", S._ComputationType.FULL_BACKWARD: "B"}
     orders = [
-        [
-            Action(kinds[a.computation_type], a.stage_index, a.microbatch_index)
-            for a in sched._calculate_single_rank_operations(r)
-            if a is not None and a.computation_type in kinds
-        ]
-        for r in range(pp)
+        [Action(*a) for a in rank]
+        for rank in interleaved_1f1b_order(pp, virtual, microbatches, rounds)
     ]
     expected = {(k, s, i) for k in "FB" for s in range(pp * virtual) for i in range(microbatches)}
     got = [(a.kind, a.stage, a.mb) for order in orders for a in order]

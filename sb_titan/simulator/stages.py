@@ -25,11 +25,11 @@ class StageSplit:
 def stage_split(
     n_layers: int, n_stages: int, first_less: int = 1, last_less: int = 1
 ) -> StageSplit:
-    """TorchTitan's own split (`_generate_llm_fqn_per_model_part`): the first and last
+    """TorchTitan's own split (compat.pipelining.llm_stage_modules): the first and last
     stages take `*_less` fewer layers for the embedding and the output head."""
-    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+    from sb_titan.compat.pipelining import llm_stage_modules
 
-    parts = _generate_llm_fqn_per_model_part(n_stages, n_layers, first_less, last_less)
+    parts = llm_stage_modules(n_stages, n_layers, first_less, last_less)
     return StageSplit(
         layers=tuple(sum(m.startswith("layers.") for m in p) for p in parts),
         embedding=tuple("tok_embeddings" in p for p in parts),
