@@ -5,9 +5,9 @@ sb-prep records an XXH3-64 digest of every `chunk_bytes` slice of tokens.bin,
 index.npy and loss_mask.bin. Chunks, not whole files: a long-context dataset can be
 hundreds of GB, and a run reads only its own samples, so the loader verifies a chunk
 the first time the run reads a byte of it (once per chunk and process) instead of
-reading everything up front; `sb-prep --verify DIR` checks every chunk. XXH3-64 hashes
-~20 GB/s per core (the checkpoint manifest uses it for the same reason); it detects
-accidental corruption, it is not a MAC.
+reading everything up front; `sb-prep --verify DIR` checks every chunk. XXH3-64, as in
+the checkpoint manifest (runtime/checkpoint.py): fast, and it detects accidental
+corruption, it is not a MAC.
 
     {"format": "sb_titan-checksums", "version": 1, "algorithm": "xxh3_64",
      "chunk_bytes": 67108864, "files": {"tokens.bin": {"bytes": N, "chunks": [hex, ...]}}}
@@ -35,10 +35,6 @@ _READ_BYTES = 8 << 20
 class ChecksumError(ValueError):
     """Bytes of a dataset file that differ from what sb-prep recorded, or an unreadable
     checksum file; the message is one line naming the file (and chunk, byte range)."""
-
-
-def digest(data: bytes | memoryview | np.ndarray) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class ChunkHasher:
@@ -140,8 +136,8 @@ def _valid(record: object, chunk_bytes: int) -> bool:
 def mismatch(file: Path, chunk: int, n_chunks: int, lo: int, hi: int, got: str, want: str) -> str:
     return (
         f"{file}: chunk {chunk} of {n_chunks} (bytes [{lo}, {hi})) has xxh3_64 {got}, "
-        f"{CHECKSUMS} records {want}: the file changed after sb-prep wrote it (corrupt disk "
-        "or copy?); `sb-prep --verify DIR` checks every chunk, re-run sb-prep to rebuild it"
+        f"{CHECKSUMS} records {want}: the file changed after sb-prep wrote it (a bad disk "
+        "or copy?); re-run sb-prep (`sb-prep --verify DIR` lists every bad chunk)"
     )
 
 
@@ -151,7 +147,7 @@ class ChunkVerifier:
 
     def __init__(self, file: Path, data: np.ndarray, record: dict, chunk_bytes: int) -> None:
         self.file = file
-        self._bytes = data.view(np.uint8) if data.size else np.zeros(0, np.uint8)
+        self._bytes = data.view(np.uint8)
         if record["bytes"] != len(self._bytes):
             raise ChecksumError(
                 f"{file}: {len(self._bytes)} bytes, {CHECKSUMS} records {record['bytes']}"
@@ -167,7 +163,7 @@ class ChunkVerifier:
         for c in range(lo // self._chunk, (hi - 1) // self._chunk + 1):
             if not self._checked[c]:
                 a, b = c * self._chunk, min((c + 1) * self._chunk, len(self._bytes))
-                got = digest(self._bytes[a:b])
+                got = xxhash.xxh3_64_hexdigest(self._bytes[a:b])
                 if got != self._digests[c]:
                     n = len(self._digests)
                     raise ChecksumError(mismatch(self.file, c, n, a, b, got, self._digests[c]))
