@@ -173,3 +173,5 @@ def test_sb_prep_records_checksums_of_every_file_it_writes(tmp_path):
         raw = (out / name).read_bytes()
         expected = {"bytes": len(raw), "chunks": [xxhash.xxh3_64(raw).hexdigest()]}
         assert record["files"][name] == expected, name
+    assert prep.main([*argv, "--quiet", "--overwrite", "--checksum-chunk-mib", "1"]) == 0
+    assert json.loads((out / CHECKSUMS).read_text())["chunk_bytes"] == 1 << 20

@@ -13,6 +13,7 @@ from conftest import DEBUG_TOML, REPO
 
 from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
+from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS
 from sb_titan.config.toml import load_config
 from sb_titan.models.qwen2_5.attention import SBAttention
 from sb_titan.tools.profile import main as profile_main
@@ -99,6 +100,14 @@ def test_a_profile_of_another_model_shape_is_refused_through_the_trainer_loader(
         sbp.load_cost_model(profiled, deeper)
     allowed = _config("--model.flavor", "debug4", "--cost_model.allow_shape_mismatch")
     assert sbp.load_cost_model(profiled, allowed).profile.source == str(profiled)
+
+
+def test_every_fingerprint_key_is_either_shape_or_environment(one_thread):
+    """A key added to the fingerprint is placed on purpose: refused, or only warned."""
+    fp = sbp.current_fingerprint(_config(), device="cpu")
+    assert set(SHAPE_KEYS) <= set(fp)
+    warned = {"device_type", "device_name", "torch", "triton", "dtype", "attention_backend"}
+    assert set(fp) - set(SHAPE_KEYS) == warned | {"block_size", "row_len", "cpu_threads"}
 
 
 def test_the_nvidia_driver_version_is_read_from_its_proc_file(tmp_path):
