@@ -43,6 +43,9 @@ SCENARIOS = {
         "4",
         "--training.global_batch_size",
         "-1",
+        # profiles/e2e_cpu.json timed the whole model (pp = 1): another stage layout,
+        # used on purpose as the committed PP figures were (the refit scales it to a stage)
+        "--cost_model.allow_shape_mismatch",
     ],
 }
 VARIANTS = {

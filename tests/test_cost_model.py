@@ -141,6 +141,42 @@ def test_fingerprint_mismatch_warns_and_strict_raises(model, caplog):
         model.check_fingerprint(other, strict=True)
 
 
+SHAPE = {"flavor": "0.5b", "hidden": 896, "layers": 24, "stage_modules": ["layers.0"]}
+ENVIRONMENT = {"device_name": "H100", "torch": "2.13.0+cu128", "driver": "570.133.20"}
+
+
+def test_another_model_shape_is_refused_unless_allowed(caplog):
+    """Another shape prices other work: one line naming the file and both shapes; the
+    override trains with it, warned."""
+    model = CostModel(make_profile(fingerprint={**SHAPE, **ENVIRONMENT}, source="p.json"))
+    other = {**SHAPE, **ENVIRONMENT, "layers": 28, "stage_modules": ["layers.0", "layers.1"]}
+    with pytest.raises(ProfileError) as refused:
+        model.check_fingerprint(other)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("p.json: profile measured for another model shape")
+    assert "profile [flavor=0.5b hidden=896 layers=24 stage_modules=['layers.0']]" in line
+    assert (
+        "this run [flavor=0.5b hidden=896 layers=28 stage_modules=['layers.0','layers.1']]" in line
+    )
+    with caplog.at_level(logging.WARNING):
+        diffs = model.check_fingerprint(other, allow_shape_mismatch=True)
+    assert diffs == ["layers", "stage_modules"]
+    assert "layers: profile=24 current=28" in caplog.text and "used anyway" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "changed", [{"driver": "570.172.08"}, {"torch": "2.13.1+cu128"}, {"device_name": "H200"}]
+)
+def test_driver_or_torch_patch_differences_only_warn(changed, caplog):
+    model = CostModel(make_profile(fingerprint={**SHAPE, **ENVIRONMENT}, source="p.json"))
+    (key,) = changed
+    with caplog.at_level(logging.WARNING):
+        assert model.check_fingerprint({**SHAPE, **ENVIRONMENT, **changed}) == [key]
+    assert f"{key}: profile={ENVIRONMENT[key]!r} current={changed[key]!r}" in caplog.text
+    with pytest.raises(ProfileError, match="strict_fingerprint"):  # unless asked to refuse
+        model.check_fingerprint({**SHAPE, **ENVIRONMENT, **changed}, strict=True)
+
+
 def test_profile_save_load_round_trip(tmp_path):
     path = tmp_path / "p.json"
     make_profile().save(path)

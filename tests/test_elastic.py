@@ -97,23 +97,34 @@ def test_non_retryable_error_is_not_retried(tmp_path):
     missing = _run_train(tmp_path, *indexed_args(tmp_path / "missing"), MAX_RESTARTS="2")
     assert missing.returncode == 2 and "[rank" not in missing.stdout + missing.stderr
     assert "missing: dataset directory not found" in missing.stderr
-    # Metadata that passes the launch check but lies about the tokens: found on read.
-    data = tmp_path / "edited"
-    writer = IndexedWriter(data)
+    # Tokens that pass the launch checks but changed since sb-prep wrote them (an id
+    # flipped to another valid id): found by the rank that first reads their chunk, on
+    # 2 ranks that each read only their own samples (one sample per chunk here).
+    data, bad = tmp_path / "flipped", 10  # read by rank 1 at step 3
+    writer = IndexedWriter(data, checksum_chunk_bytes=297 * 4)
     for _ in range(64):
         writer.add(np.arange(3, 300))
     writer.close({"source": "tests"})
-    meta = json.loads((data / "meta.json").read_text())
-    (data / "meta.json").write_text(json.dumps({**meta, "max_token_id": 10}))
-    proc = _run_train(tmp_path, *indexed_args(data), MAX_RESTARTS="2", NGPU="1")
+    tokens = np.memmap(data / "tokens.bin", dtype="<u4", mode="r+")
+    tokens[bad * 297 + 5] += 1
+    tokens.flush()
+    del tokens
+    logged = ["--dataloader.sample_log"]
+    proc = _run_train(tmp_path, *indexed_args(data), *logged, MAX_RESTARTS="2", NGPU="2")
     out = proc.stdout + proc.stderr
     assert proc.returncode == elastic.NOT_RETRIED_EXIT, out[-4000:]
     assert "MAX_RESTARTS=2 but checkpoint.enable is false" in proc.stderr
-    # one attempt ran ("Original Traceback" is the loader thread's, inside the same error)
-    assert out.count(": Traceback (most recent call last)") == 1, out[-6000:]
+    assert out.count("step:  1 ") == 1, out[-6000:]  # one attempt trained (rank 0's log)
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"sb_titan: not retried: DatasetError: {data / 'meta.json'}: sample")
-    assert "above its max_token_id 10" in last
+    chunk = f"chunk {bad} of 64 (bytes [{bad * 1188}, {(bad + 1) * 1188}))"
+    assert last.startswith(f"sb_titan: not retried: ChecksumError: {data / 'tokens.bin'}: {chunk}")
+    assert last.endswith("(rank 1, attempt 0)"), last
+    # The steps before it trained on both ranks, never on the changed sample.
+    assert sorted({r["step"] for r in sample_log(tmp_path, 1)}) == [1, 2]
+    trained = [{p[0] for r in sample_log(tmp_path, rank) for row in r["rows"] for p in row}
+               for rank in (0, 1)]  # fmt: skip
+    assert trained[0] and trained[1] and not trained[0] & trained[1]
+    assert bad not in trained[0] | trained[1]
 
 
 @pytest.mark.torchrun

@@ -11,6 +11,7 @@ import pytest
 
 import sb_titan.tools.prep as prep_module
 from sb_titan.balance.sab import AnalyticCost, Planner, SABConfig
+from sb_titan.data.checksums import ChecksumError
 from sb_titan.data.indexed import DatasetError, IndexedDataset
 from sb_titan.data.loader import pack_microbatch
 from sb_titan.data.tokenizer import BOS, load_tokenizer
@@ -154,13 +155,26 @@ def dataset(tmp_path) -> Path:
     return tmp_path / "ds"
 
 
+def without_checksums(dataset: Path) -> Path:
+    """As sb-prep wrote datasets before it recorded checksums (or after an edit of
+    meta.json that dropped them): the structural checks below are all they get."""
+    meta = json.loads((dataset / "meta.json").read_text())
+    del meta["checksums"]
+    (dataset / "meta.json").write_text(json.dumps(meta))
+    (dataset / "checksums.json").unlink()
+    return dataset
+
+
 def test_corrupt_index_is_a_clear_error(dataset):
     (dataset / "index.npy").write_bytes(b"\x93NUMPY garbage")
-    with pytest.raises(DatasetError, match=r"index\.npy: corrupt"):
+    with pytest.raises(ChecksumError, match=r"index\.npy: 14 bytes, checksums\.json records"):
         IndexedDataset(dataset)
+    with pytest.raises(DatasetError, match=r"index\.npy: corrupt"):
+        IndexedDataset(without_checksums(dataset))
 
 
 def test_inconsistent_files_are_clear_errors(dataset):
+    without_checksums(dataset)
     index = np.load(dataset / "index.npy")
     bad = index.copy()
     bad[1, 0] += 1  # sample 1 no longer starts where sample 0 ends

@@ -145,6 +145,7 @@ def test_run_train_sh_stops_before_spawning(tmp_path):
 
 # -- every case a launch refuses: exit 2, one line naming file and key, no rank ------------
 E2E_PROFILE = REPO / "profiles" / "e2e_cpu.json"
+DEBUG_PROFILE = REPO / "profiles" / "debug_cpu.json"
 
 
 def _other_tokenizer(path):
@@ -187,6 +188,16 @@ CASES = {
         + ["--cost_model.profile", str(E2E_PROFILE)],
         [f"{E2E_PROFILE}: profile fingerprint mismatch", "cost_model.strict_fingerprint"],
     ),
+    "profile_of_another_model_shape": (  # refused without strict_fingerprint
+        ["--dst.enabled", "--cost_model.profile", str(DEBUG_PROFILE), "--model.flavor", "debug4"],
+        [
+            f"{DEBUG_PROFILE}: profile measured for another model shape",
+            "profile [flavor=debug hidden=256 heads=4 kv_heads=2 head_dim=64",
+            "layers=2 stage_modules=['layers.0','layers.1']]",
+            "this run [flavor=debug4 hidden=256",
+            "cost_model.allow_shape_mismatch = true",
+        ],
+    ),
     "dataset_path_missing": (
         ["--dataloader.dataset", "indexed"],
         ["dataloader.dataset_path: required when dataloader.dataset = 'indexed'"],
@@ -208,6 +219,17 @@ def test_each_case_is_refused_before_launch(capsys, tmp_path, case, flag):
     args, needles = CASES[case]
     line = _refused(capsys, tmp_path, *args, flag=flag)
     assert all(n in line for n in needles), line
+
+
+def test_the_shape_override_accepts_a_profile_of_another_shape_with_a_warning(capsys):
+    """The case refused above, with cost_model.allow_shape_mismatch: checked, warned (a
+    log record: TorchTitan's logger writes to stdout)."""
+    args = ["--dst.enabled", "--cost_model.profile", str(DEBUG_PROFILE), "--model.flavor"]
+    override = ["debug4", "--cost_model.allow_shape_mismatch"]
+    main(["--check-config", "--config_file", str(DEBUG_TOML), *args, *override])
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "shape" in line]
+    assert f"{DEBUG_PROFILE}: profile fingerprint mismatch" in warning
+    assert "layers: profile=2 current=4" in warning and "used anyway" in warning
 
 
 def test_vocabulary_mismatch_is_refused_before_launch(capsys, tmp_path):

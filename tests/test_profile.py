@@ -13,6 +13,7 @@ from conftest import DEBUG_TOML, REPO
 
 from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
+from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS
 from sb_titan.config.toml import load_config
 from sb_titan.models.qwen2_5.attention import SBAttention
 from sb_titan.tools.profile import main as profile_main
@@ -73,13 +74,17 @@ def test_predictions_from_the_profile_are_monotone(profiled):
 
 def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thread, caplog):
     same, other = _config(), _config("--sparse_attention.block_size", "128")
-    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model.model"):
+    with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model.fingerprint"):
         caplog.clear()
         sbp.load_cost_model(profiled, same)
-        assert not [r for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"]
+        assert not [
+            r for r in caplog.records if r.name == "sb_titan.balance.cost_model.fingerprint"
+        ]
         sbp.load_cost_model(profiled, other)
     (warning,) = [
-        r.getMessage() for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "sb_titan.balance.cost_model.fingerprint"
     ]
     assert "block_size: profile=64 current=128" in warning and str(profiled) in warning
     longer = load_config(DEBUG_TOML, ["--training.seq_len", "512"])
@@ -87,12 +92,42 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
         sbp.load_cost_model(profiled, longer, strict=True)
 
 
+def test_a_profile_of_another_model_shape_is_refused_through_the_trainer_loader(profiled):
+    deeper = _config("--model.flavor", "debug4")
+    with pytest.raises(
+        ProfileError, match=r"another model shape: profile \[flavor=debug .*layers=2"
+    ):
+        sbp.load_cost_model(profiled, deeper)
+    allowed = _config("--model.flavor", "debug4", "--cost_model.allow_shape_mismatch")
+    assert sbp.load_cost_model(profiled, allowed).profile.source == str(profiled)
+
+
+def test_every_fingerprint_key_is_either_shape_or_environment(one_thread):
+    """A key added to the fingerprint is placed on purpose: refused, or only warned."""
+    fp = sbp.current_fingerprint(_config(), device="cpu")
+    assert set(SHAPE_KEYS) <= set(fp)
+    warned = {"device_type", "device_name", "torch", "triton", "dtype", "attention_backend"}
+    assert set(fp) - set(SHAPE_KEYS) == warned | {"block_size", "row_len", "cpu_threads"}
+
+
+def test_the_nvidia_driver_version_is_read_from_its_proc_file(tmp_path):
+    proprietary = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 2023\n"
+    open_module = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.133.20  Release\n"
+    for text, version in ((proprietary, "535.104.05"), (open_module, "570.133.20")):
+        (tmp_path / "version").write_text(text + "GCC version:  gcc version 12.3.0\n")
+        assert sbp.nvidia_driver(tmp_path / "version") == version
+    assert sbp.nvidia_driver(tmp_path / "absent") is None
+
+
 def test_check_reports_match_mismatch_and_unusable_files(profiled, tmp_path, capsys, one_thread):
     args = ["--check", str(profiled), "--config", str(DEBUG_TOML)]
     assert profile_main([*args, *ROW]) == 0
     assert "fingerprint matches" in capsys.readouterr().out
     assert profile_main([*args, "--training.seq_len", "128"]) == 1
-    assert "differs from this setup in: row_len" in capsys.readouterr().out
+    assert "differs from this setup in: row_len\n" in capsys.readouterr().out
+    assert profile_main([*args, *ROW, "--model.flavor", "debug4"]) == 1
+    shape = "flavor, layers, stage_modules"
+    assert f"in: {shape} (model shape: a run refuses it: {shape})" in capsys.readouterr().out
     text = profiled.read_text()
     for name, body in (("truncated.json", text[: len(text) // 2]), ("garbage.json", "{nope")):
         bad = tmp_path / name

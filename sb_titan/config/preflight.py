@@ -5,8 +5,9 @@ traceback from every rank 15-35 s into the job.
 What can be known from files and metadata alone is checked here: the config, the
 latency profile (present, parseable, matching), the step shape for the launch's world
 size, the model's tokenizer folder, the dataset's files and their consistency, that its
-token ids fit the model's vocabulary and come from the model's tokenizer, and the
-checkpoint a resume would load.
+token ids fit the model's vocabulary and come from the model's tokenizer (its
+index.npy against its checksums; tokens.bin is verified chunk by chunk as ranks read
+it), and the checkpoint a resume would load.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from sb_titan.config.toml import ConfigError
-from sb_titan.data.source import check_tokenizer, check_vocabulary
+from sb_titan.data.source import check_tokenizer, check_vocabulary, integrity_note
 
 
 def preflight(config: Any, path: str | Path | None) -> None:
@@ -39,10 +40,11 @@ def preflight(config: Any, path: str | Path | None) -> None:
         check_assets(config.hf_assets_path)
         source = build_source(config.dataloader, config.training.seq_len)
         check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
-        note = check_tokenizer(source, config.hf_assets_path)
+        notes = [check_tokenizer(source, config.hf_assets_path)]
     except ValueError as e:  # ProfileError, DatasetError, VocabularyError included
         raise ConfigError(f"{where}: {e}") from None
-    if note:
+    notes.append(integrity_note(source))
+    for note in filter(None, notes):
         logger.warning(note)
     check_checkpoint_folder(config)  # raises CheckpointIntegrityError, naming file and step
 

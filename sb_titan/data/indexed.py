@@ -7,6 +7,9 @@ A dataset is a directory of three files:
 and, for supervised fine-tuning data (`sb-prep --chat`), a fourth:
   loss_mask.bin  one uint8 per token of tokens.bin: 1 where the token is a training
                  target (an answer), 0 where it is only context (meta.json "loss_mask")
+and the digest of every chunk of the others (meta.json "checksums"; data/checksums.py):
+  checksums.json verified chunk by chunk as a run first reads them; datasets written
+                 before it existed load with a note
 
 Planning needs only the lengths (read once into memory); tokens are memory-mapped, so
 each rank pages in only the samples it packs.
@@ -16,10 +19,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sb_titan.data.checksums import (
+    CHECKSUMS,
+    CHUNK_BYTES,
+    ChecksumError,
+    Checksums,
+    ChunkHasher,
+    ChunkVerifier,
+    hash_file,
+    verify_file,
+)
 
 FORMAT = "sb_titan-indexed"
 VERSION = 1
@@ -43,6 +58,9 @@ class IndexedDataset:
             raise DatasetError(f"{self.path}: dataset directory not found")
         self.meta_file = self.path / META
         self.meta = _read_meta(self.meta_file)
+        self.checksums = _read_checksums(self.path, self.meta)
+        if self.checksums is not None:  # read whole below, so verified whole now
+            _raise_first(verify_file(self.path / INDEX, *self._record(INDEX)))
         self.dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         index = _read_index(self.path / INDEX, self.meta["num_samples"])
         self._offsets = index[:, 0].copy()
@@ -53,6 +71,29 @@ class IndexedDataset:
         if self.meta.get("loss_mask"):
             self._mask = _map_tokens(self.path / LOSS_MASK, np.dtype("u1"), self.meta["num_tokens"])
         self._recorded_max = self.meta.get("max_token_id")  # checked on every read
+        self._token_check = self._verifier(TOKENS, self._tokens)
+        self._mask_check = self._verifier(LOSS_MASK, self._mask)
+
+    def _record(self, name: str) -> tuple[dict, int]:
+        """checksums.json's record of one file, and the chunk size."""
+        record = self.checksums.files.get(name)
+        if record is None:
+            raise ChecksumError(f"{self.path / CHECKSUMS}: no record of {name}")
+        return record, self.checksums.chunk_bytes
+
+    def _verifier(self, name: str, data: np.ndarray | None) -> ChunkVerifier | None:
+        if self.checksums is None or data is None:
+            return None
+        return ChunkVerifier(self.path / name, data, *self._record(name))
+
+    def integrity_note(self) -> str | None:
+        """A line for datasets written before sb-prep recorded checksums."""
+        if self.checksums is not None:
+            return None
+        return (
+            f"{self.meta_file}: no {CHECKSUMS} (prepared by an older sb-prep); its tokens "
+            "are read unverified (re-run sb-prep to add checksums)"
+        )
 
     @property
     def lengths(self) -> np.ndarray:
@@ -71,6 +112,9 @@ class IndexedDataset:
                 f"{sample_id} of {n} tokens"
             )
         at = int(self._offsets[sample_id]) + start
+        if self._token_check is not None:  # before the tokens reach a batch
+            size = self.dtype.itemsize
+            self._token_check.check(at * size, (at + length) * size)
         tokens = self._tokens[at : at + length].astype(np.int64)
         top = self._recorded_max
         if top is not None and length and int(tokens.max()) > top:
@@ -85,6 +129,8 @@ class IndexedDataset:
         if self._mask is None:
             return None
         at = int(self._offsets[sample_id]) + start
+        if self._mask_check is not None:
+            self._mask_check.check(at, at + length)
         return self._mask[at : at + length] != 0
 
     def tokenizer_sha256(self) -> str | None:
@@ -125,6 +171,52 @@ def _read_meta(file: Path) -> dict[str, Any]:
     if not isinstance(top, int) or isinstance(top, bool) or top < -1:
         raise DatasetError(f"{file}: 'max_token_id' must be an integer >= -1 (-1: no tokens)")
     return meta
+
+
+def _read_checksums(path: Path, meta: dict[str, Any]) -> Checksums | None:
+    """The dataset's checksums; None for one written before sb-prep recorded them."""
+    name = meta.get("checksums")
+    if name is None:
+        return None
+    if name != CHECKSUMS:
+        raise DatasetError(f"{path / META}: 'checksums' is {name!r}, expected {CHECKSUMS!r}")
+    return Checksums.load(path / CHECKSUMS)
+
+
+def _raise_first(problems: list[str]) -> None:
+    if problems:
+        raise ChecksumError(problems[0])
+
+
+def dataset_checksums(path: str | os.PathLike) -> Checksums:
+    """What `sb-prep --verify` checks against; DatasetError for a dataset without."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DatasetError(f"{path}: dataset directory not found")
+    checksums = _read_checksums(path, _read_meta(path / META))
+    if checksums is None:
+        raise DatasetError(
+            f"{path / META}: no {CHECKSUMS} (prepared by an older sb-prep): nothing to verify "
+            "against; re-run sb-prep to add checksums"
+        )
+    return checksums
+
+
+def verify_dataset(
+    path: str | os.PathLike, checksums: Checksums, on_bytes: Callable[[int], None] | None = None
+) -> list[str]:
+    """`sb-prep --verify`: every chunk of every recorded file, then the layout checks a
+    load does. One line per problem (none: intact)."""
+    path = Path(path)
+    problems = []
+    for name, record in checksums.files.items():
+        problems += verify_file(path / name, record, checksums.chunk_bytes, on_bytes)
+    if not problems:
+        try:
+            IndexedDataset(path)
+        except (DatasetError, ChecksumError) as e:
+            problems.append(str(e))
+    return problems
 
 
 def _read_index(file: Path, num_samples: int) -> np.ndarray:
@@ -187,7 +279,11 @@ class IndexedWriter:
     """
 
     def __init__(
-        self, out_dir: str | os.PathLike, dtype: str = "uint32", loss_mask: bool = False
+        self,
+        out_dir: str | os.PathLike,
+        dtype: str = "uint32",
+        loss_mask: bool = False,
+        checksum_chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"IndexedWriter: dtype {dtype!r}, expected one of {DTYPES}")
@@ -200,6 +296,9 @@ class IndexedWriter:
         self._file = self._tmp.open("wb")
         self._mask_tmp = self.out_dir / (LOSS_MASK + ".tmp")
         self._mask_file = self._mask_tmp.open("wb") if loss_mask else None
+        self._hashers = {TOKENS: ChunkHasher(checksum_chunk_bytes)}
+        if loss_mask:
+            self._hashers[LOSS_MASK] = ChunkHasher(checksum_chunk_bytes)
         self._lengths: list[int] = []
         self.num_tokens = 0
         self.max_token_id = -1  # -1: no tokens
@@ -212,18 +311,22 @@ class IndexedWriter:
         if mask is not None:
             if len(mask) != len(arr):
                 raise ValueError(f"IndexedWriter: {len(mask)} mask values for {len(arr)} tokens")
-            self._mask_file.write(np.asarray(mask, dtype=np.uint8).tobytes())
+            self._write(LOSS_MASK, self._mask_file, np.asarray(mask, dtype=np.uint8).tobytes())
         if len(arr) and (arr.min() < self._limits[0] or arr.max() > self._limits[1]):
             raise ValueError(f"IndexedWriter: token ids outside the {self.dtype.name} range")
-        self._file.write(arr.astype(self.dtype).tobytes())
+        self._write(TOKENS, self._file, arr.astype(self.dtype).tobytes())
         if len(arr):
             self.max_token_id = max(self.max_token_id, int(arr.max()))
         self._lengths.append(len(arr))
         self.num_tokens += len(arr)
         return len(self._lengths) - 1
 
+    def _write(self, name: str, file: Any, data: bytes) -> None:
+        file.write(data)
+        self._hashers[name].update(data)
+
     def close(self, meta: dict[str, Any]) -> Path:
-        """Publish tokens.bin, then index.npy, then meta.json."""
+        """Publish tokens.bin, then index.npy and checksums.json, then meta.json."""
         self._file.close()
         if self._mask_file is not None:
             self._mask_file.close()
@@ -231,7 +334,12 @@ class IndexedWriter:
         lengths = np.asarray(self._lengths, dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         index = np.stack([offsets[: len(lengths)], lengths, np.arange(len(lengths))], axis=1)
-        np.save(self.out_dir / (INDEX + ".tmp.npy"), index.astype(np.int64))
+        index_tmp = self.out_dir / (INDEX + ".tmp.npy")
+        np.save(index_tmp, index.astype(np.int64))
+        chunk_bytes = self._hashers[TOKENS].chunk_bytes
+        files = {name: hasher.finish() for name, hasher in self._hashers.items()}
+        files[INDEX] = hash_file(index_tmp, chunk_bytes)
+        (self.out_dir / (CHECKSUMS + ".tmp")).write_text(Checksums(chunk_bytes, files).to_json())
         full = {
             "format": FORMAT,
             "version": VERSION,
@@ -239,6 +347,7 @@ class IndexedWriter:
             "num_samples": len(lengths),
             "num_tokens": self.num_tokens,
             "max_token_id": self.max_token_id,
+            "checksums": CHECKSUMS,
             **meta,
         }
         (self.out_dir / (META + ".tmp")).write_text(json.dumps(full, indent=2) + "\n")
@@ -247,7 +356,8 @@ class IndexedWriter:
             os.replace(self._mask_tmp, self.out_dir / LOSS_MASK)
         else:
             (self.out_dir / LOSS_MASK).unlink(missing_ok=True)  # from a replaced dataset
-        os.replace(self.out_dir / (INDEX + ".tmp.npy"), self.out_dir / INDEX)
+        os.replace(index_tmp, self.out_dir / INDEX)
+        os.replace(self.out_dir / (CHECKSUMS + ".tmp"), self.out_dir / CHECKSUMS)
         os.replace(self.out_dir / (META + ".tmp"), self.out_dir / META)
         return self.out_dir
 

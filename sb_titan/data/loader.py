@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
+from torchtitan.tools.logging import logger
 
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.dst import DSTConfig
@@ -31,7 +32,7 @@ from sb_titan.balance.sab import MicroBatchPlan, Planner, SABConfig
 from sb_titan.balance.snapshots import CostModelSnapshots, PlanningCancelled
 from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.compat.data import BaseDataLoader, stop_prefetcher
-from sb_titan.data.source import TokenSource
+from sb_titan.data.source import TokenSource, integrity_note
 
 IGNORE_INDEX = -100
 
@@ -223,6 +224,9 @@ class SBDataLoader(BaseDataLoader):
         self.dp_rank = dp_rank
         self.seq_len = seq_len
         self.source = build_source(config, seq_len)
+        note = integrity_note(self.source)
+        if note and dp_rank == 0:  # once per run, wherever it was launched from
+            logger.warning(note)
         pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
         self.pad_id = 0 if pad is None else pad
         cost_fn, prior = _token_count_cost, None

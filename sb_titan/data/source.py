@@ -45,6 +45,13 @@ def check_vocabulary(source: TokenSource, vocab_size: int, flavor: str) -> None:
         )
 
 
+def integrity_note(source: TokenSource) -> str | None:
+    """A line saying a dataset's tokens are read unverified (written before sb-prep
+    recorded checksums); None for a verified dataset or a generated corpus."""
+    note = getattr(source, "integrity_note", None)
+    return note() if note is not None else None
+
+
 class TokenizerMismatch(ValueError):
     """A dataset prepared with another tokenizer than the model's."""
 

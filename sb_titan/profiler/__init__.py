@@ -8,7 +8,7 @@ grid of (document length, density) and token counts, into the cost model's Profi
     run.py          the grid, the measurement, the Profile and its JSON
 """
 
-from sb_titan.profiler.fingerprint import current_fingerprint
+from sb_titan.profiler.fingerprint import current_fingerprint, nvidia_driver
 from sb_titan.profiler.inputs import (
     AttentionInputs,
     make_attention_step,
@@ -60,6 +60,7 @@ __all__ = [
     "make_attention_step",
     "make_stage_step",
     "microbatch_rows",
+    "nvidia_driver",
     "packed_rows",
     "run_profile",
     "scoped_modules",

@@ -3,6 +3,8 @@ model dimensions and the stage's modules. The trainer checks it on load."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,17 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
+
+
+def nvidia_driver(version_file: str | Path = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel driver's version (torch has no public call for it); None
+    where the file is absent or says no version."""
+    try:
+        text = Path(version_file).read_text()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module(?: for \w+)?\s+(\d+(?:\.\d+)+)", text)
+    return found.group(1) if found else None
 
 
 def current_fingerprint(
@@ -68,4 +81,7 @@ def current_fingerprint(
     }
     if device.type == "cpu":
         fp["cpu_threads"] = torch.get_num_threads()
+    elif device.type == "cuda":  # the software below torch: differences warn, like torch
+        fp["cuda"] = torch.version.cuda
+        fp["driver"] = nvidia_driver()
     return fp

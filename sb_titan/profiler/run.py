@@ -302,10 +302,13 @@ def load_cost_model(
     **kwargs: Any,
 ) -> CostModel:
     """Trainer-facing loader: read the profile (ProfileError names the file) and, given
-    the run's config, warn (raise under strict) where its fingerprint differs."""
+    the run's config, check its fingerprint as a training run does: another model shape
+    raises unless `config.cost_model.allow_shape_mismatch`, other differences warn
+    (raise under strict)."""
     model = CostModel.from_file(path, **kwargs)
     if config is not None:
-        model.check_fingerprint(current_fingerprint(config, stage), strict=strict)
+        allow = config.cost_model.allow_shape_mismatch
+        model.check_fingerprint(current_fingerprint(config, stage), strict, allow)
     return model
 
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from sb_titan.balance.cost_model import ProfileError
+from sb_titan.data.checksums import ChecksumError
 from sb_titan.data.indexed import DatasetError
 from sb_titan.data.source import VocabularyError
 from sb_titan.runtime.checkpoint import CheckpointIntegrityError
@@ -91,6 +92,7 @@ def is_permanent(error: BaseException) -> bool:
     permanent = (
         NotRetryable,
         DatasetError,
+        ChecksumError,
         VocabularyError,
         ProfileError,
         CheckpointIntegrityError,

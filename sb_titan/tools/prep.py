@@ -9,7 +9,8 @@ pairs (already tokenized: they need --tokenizer, the one they were made with).
 Each document is stored as BOS + its tokens (no BOS when the tokenizer has none, as
 Qwen2.5's), + EOS with --eos. Malformed records (bad JSON or UTF-8, a missing or
 non-string field, empty text) are skipped, counted and reported as file:line (the row
-for tables); --strict stops at the first.
+for tables); --strict stops at the first. The dataset records a checksum per chunk of
+its files (`--checksum-chunk-mib`, default 64); `sb-prep --verify DIR` checks them all.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from sb_titan.data.chat import IM_END, IM_START, chatml_ids, render_chatml
-from sb_titan.data.indexed import META, IndexedWriter
+from sb_titan.data.checksums import CHUNK_BYTES, ChecksumError
+from sb_titan.data.indexed import (
+    META,
+    DatasetError,
+    IndexedWriter,
+    dataset_checksums,
+    verify_dataset,
+)
 from sb_titan.data.readers import (
     HFOptions,
     Input,
@@ -70,15 +78,15 @@ def have_pyarrow() -> bool:
 class Progress:
     """tqdm over input bytes when available, else a plain stderr line now and then."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, desc: str = "sb-prep") -> None:
         self.total, self.done, self._shown = total, 0, -1
-        self.enabled = enabled
+        self.enabled, self._desc = enabled, desc
         self._bar = None
         if enabled:
             try:
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc="sb-prep")
+                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
             except ImportError:
                 pass
 
@@ -90,7 +98,7 @@ class Progress:
             pct = int(100 * self.done / max(self.total, 1))
             if pct // 5 != self._shown:
                 self._shown = pct // 5
-                print(f"sb-prep: {pct}% of {self.total} bytes", file=sys.stderr)
+                print(f"{self._desc}: {pct}% of {self.total} bytes", file=sys.stderr)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -189,6 +197,7 @@ def prep(
     max_malformed: float = MAX_MALFORMED,
     hf_dataset: str | None = None,
     hf: HFOptions | None = None,
+    checksum_chunk_bytes: int = CHUNK_BYTES,
 ) -> PrepReport:
     """Tokenize `inputs` (and the hub dataset `hf_dataset`) into the directory `out`.
 
@@ -214,7 +223,7 @@ def prep(
     opts = PrepOptions(field_name, chat, strict, max_malformed, hf or HFOptions())
     report = PrepReport()
     bar = Progress(sum(i.nbytes for i in items), progress)
-    writer = IndexedWriter(out, loss_mask=chat)
+    writer = IndexedWriter(out, loss_mask=chat, checksum_chunk_bytes=checksum_chunk_bytes)
     (out / "malformed.txt").unlink(missing_ok=True)  # from a replaced dataset
     encoder = _Encoder(writer, tok, sp, report)
     try:
@@ -350,7 +359,21 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="files, save_to_disk folders, Megatron .bin/.idx (either file, or the prefix)",
     )
-    ap.add_argument("--out", required=True, type=Path, metavar="DIR")
+    ap.add_argument("--out", type=Path, metavar="DIR", help="the dataset directory to write")
+    ap.add_argument(
+        "--verify",
+        type=Path,
+        metavar="DIR",
+        help="check every chunk of an sb-prep dataset against its checksums.json, and exit",
+    )
+    ap.add_argument(
+        "--checksum-chunk-mib",
+        type=int,
+        default=CHUNK_BYTES >> 20,
+        metavar="MIB",
+        help=f"bytes per checksummed chunk, in MiB (default {CHUNK_BYTES >> 20}): the unit a "
+        "run verifies at its first read",
+    )
     ap.add_argument(
         "--tokenizer",
         type=Path,
@@ -394,8 +417,40 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def verify(path: Path, progress: bool = True) -> int:
+    """`--verify DIR`: 0 when every chunk matches, else one line per bad chunk and 1."""
+    try:
+        checksums = dataset_checksums(path)
+    except (DatasetError, ChecksumError) as e:
+        print(f"sb-prep: error: {e}", file=sys.stderr)
+        return 1
+    total = sum(r["bytes"] for r in checksums.files.values())
+    bar = Progress(total, progress, desc="sb-prep --verify")
+    try:
+        problems = verify_dataset(path, checksums, bar.update)
+    finally:
+        bar.close()
+    for line in problems:
+        print(f"sb-prep: error: {line}", file=sys.stderr)
+    if problems:
+        return 1
+    chunks = sum(len(r["chunks"]) for r in checksums.files.values())
+    print(
+        f"sb-prep: {path}: ok: {chunks} chunks of {checksums.chunk_bytes} bytes in "
+        f"{len(checksums.files)} files ({total} bytes) match their checksums"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.verify is not None:
+        return verify(args.verify, progress=not args.quiet)
+    if args.out is None:
+        ap.error("the following arguments are required: --out (or --verify DIR)")
+    if args.checksum_chunk_mib < 1:
+        ap.error(f"--checksum-chunk-mib: must be >= 1 (got {args.checksum_chunk_mib})")
     try:
         report = prep(
             args.input,
@@ -410,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
             max_malformed=args.max_malformed,
             hf_dataset=args.hf_dataset,
             hf=HFOptions(args.hf_split, args.hf_config),
+            checksum_chunk_bytes=args.checksum_chunk_mib << 20,
         )
     except (PrepError, InputError, FileNotFoundError) as e:
         print(f"sb-prep: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from sb_titan.balance.cost_model import CostModel, ProfileError
+from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS, fingerprint_diffs
 from sb_titan.profiler.fingerprint import current_fingerprint
 from sb_titan.profiler.run import (
     DEFAULT_DENSITIES,
@@ -53,9 +54,12 @@ def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
     )
     if config is None:
         return 0
-    diffs = model.check_fingerprint(current_fingerprint(config, stage, scope=scope))
+    have = {**p.fingerprint, "block_size": p.block_size}
+    diffs = fingerprint_diffs(have, current_fingerprint(config, stage, scope=scope))
     if diffs:
-        print(f"{path}: fingerprint differs from this setup in: {', '.join(diffs)}")
+        shape = [k for k in diffs if k in SHAPE_KEYS]
+        refused = f" (model shape: a run refuses it: {', '.join(shape)})" if shape else ""
+        print(f"{path}: fingerprint differs from this setup in: {', '.join(diffs)}{refused}")
         return 1
     print(f"{path}: fingerprint matches this setup")
     return 0

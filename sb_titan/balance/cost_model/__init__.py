@@ -7,6 +7,7 @@
     density.py    budget -> realised density (`mass` policy)
     recall.py     budget -> kept attention mass (DST's recall anchor)
     knot_means.py the windowed per-knot means density and recall tables share
+    fingerprint.py whether a profile describes the run (shape refused, environment warns)
     model.py      CostModel: predict, invert, refit; the `[cost_model]` config
 """
 

@@ -40,10 +40,10 @@ from sb_titan.balance.cost_model.blocks import (
     lerp,
 )
 from sb_titan.balance.cost_model.density import DensityModel
+from sb_titan.balance.cost_model.fingerprint import check_fingerprint
 from sb_titan.balance.cost_model.profile import (
     MIN_SECONDS,
     Profile,
-    ProfileError,
     ProfileNotFoundError,
 )
 from sb_titan.balance.cost_model.recall import RecallMeasure, RecallModel
@@ -395,23 +395,12 @@ class CostModel:
             "`sb-profile --config <config.toml> --out <path>`"
         )
 
-    def check_fingerprint(self, expected: dict[str, Any], strict: bool = False) -> list[str]:
-        """Keys of `expected` whose profile value differs; warn, or raise under strict."""
+    def check_fingerprint(
+        self, expected: dict[str, Any], strict: bool = False, allow_shape_mismatch: bool = False
+    ) -> list[str]:
+        """Keys of `expected` whose profile value differs (fingerprint.py: which refuse)."""
         have = {**self.profile.fingerprint, "block_size": self.profile.block_size}
-        missing = object()
-        diffs = [k for k in sorted(expected) if have.get(k, missing) != expected[k]]
-        if diffs:
-            detail = "; ".join(
-                f"{k}: profile={have.get(k, '<missing>')!r} current={expected[k]!r}" for k in diffs
-            )
-            msg = f"{self.profile.source}: profile fingerprint mismatch: {detail}"
-            if strict:
-                raise ProfileError(
-                    f"{msg} (cost_model.strict_fingerprint = true: re-run sb-profile for "
-                    "this config, or set it false to only warn)"
-                )
-            logger.warning(msg)
-        return diffs
+        return check_fingerprint(self.profile.source, have, expected, strict, allow_shape_mismatch)
 
     # -- checkpointing
 
@@ -458,7 +447,10 @@ class CostModelConfig:
     analytic_device: AnalyticDevice | None = None
     """Explicit opt-in FLOP model instead of (or when missing) a profile."""
     strict_fingerprint: bool = False
-    """A profile measured on another device/software/model is an error, not a warning."""
+    """Any fingerprint difference (device, driver, torch too) is an error, not a warning."""
+    allow_shape_mismatch: bool = False
+    """Train with a profile measured for another model shape or stage layout (refused by
+    default: it prices other work), with a warning."""
     refit: bool = True
     """Recalibrate online from measured micro-batch times (identical on every rank)."""
     drift_threshold: float = 0.15
@@ -493,5 +485,5 @@ def build_cost_model(
         return CostModel.analytic(fallback, recall_measure=recall_measure)
     model = CostModel.from_file(config.profile, analytic=fallback, recall_measure=recall_measure)
     if model.profile.source != "<memory>":
-        model.check_fingerprint(expected, strict=config.strict_fingerprint)
+        model.check_fingerprint(expected, config.strict_fingerprint, config.allow_shape_mismatch)
     return model
