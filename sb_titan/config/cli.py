@@ -74,9 +74,7 @@ def _is_config(obj: Any) -> bool:
 
 
 def _fields(obj: Any) -> dict[str, Any]:
-    return {
-        f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in HIDDEN
-    }
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in HIDDEN}
 
 
 def first_line(tyro_output: str) -> str:

@@ -25,8 +25,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
@@ -251,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     args = parser.parse_args(argv)
+    import torch  # past the parser: --help answers without it
+
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
     if threads:
         torch.set_num_threads(threads)
