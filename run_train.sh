@@ -26,9 +26,9 @@ world=()  # the step shape is checked for a fixed world size (not for NNODES=min
 [[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
 for arg in "$@"; do
   case "$arg" in
-    -h|--help)
+    -h|--help|--help-all)
       cat <<'EOF'
-usage: [VAR=value ...] ./run_train.sh [--check-config] [--section.key VALUE ...]
+usage: [VAR=value ...] ./run_train.sh [--check-config | --help-all] [--section.key VALUE ...]
 
 Environment:
   CONFIG_FILE      train config (default: train_configs/debug_cpu.toml)
