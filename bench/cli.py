@@ -1,7 +1,7 @@
 """How fast the command line answers: whole-process timings of every tool's --help and
 of `./run_train.sh --check-config` on the default config.
 
-    python bench/cli.py [--rounds 3] [--baseline DIR] [--label after]
+    python bench/cli.py [--rounds 3] [--baseline DIR] [--label NAME] [--out JSON]
 
 Commands: each console script of pyproject.toml's [project.scripts] with --help (run as
 the installed script runs it, `from module import main; main()`, on this checkout),
@@ -15,7 +15,7 @@ process and its children (user + system). On a loaded machine the wall time most
 measures the other load; the CPU time is close to what a quiet machine's wall time
 would be. The goal (issue: fast answers): --help <= 3 s, --check-config <= 8 s plus the
 dataset and checkpoint checks, on a quiet 2-core machine.
-Writes bench/results/cli.json.
+Writes bench/results/cli.json (or --out).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--label", default="this checkout")
     ap.add_argument("--baseline", type=Path, help="another checkout, measured interleaved")
     ap.add_argument("--baseline-label", default="baseline")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     repos = {args.label: REPO}
     if args.baseline is not None:
@@ -123,12 +124,12 @@ def main() -> None:
         "repos": {k: str(v) for k, v in repos.items()},
     }
     out["results"] = results
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
     per_round = machine["load_1min_per_round"]
     print(f"\n{os.cpu_count()} CPUs, 1-minute load average per round: {per_round}")
     print(table(results, list(repos)))
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
