@@ -89,16 +89,17 @@ def main(argv: list[str] | None = None) -> None:
     check_only = prelaunch or "--check-config" in argv
     argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
     # Past the help: what training (or checking a config) needs, imported only now.
+    from sb_titan import compat
+
+    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
     import torch
     from torchtitan.tools.logging import init_logger
 
-    from sb_titan import compat
     from sb_titan.config.toml import ConfigError
     from sb_titan.runtime import elastic
     from sb_titan.runtime.checkpoint import CheckpointIntegrityError
     from sb_titan.runtime.console import install_log_filter
 
-    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
     init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
     try:
