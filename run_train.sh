@@ -22,9 +22,31 @@ fi
 NNODES="${NNODES:-1}"
 LOG_RANK="${LOG_RANK:-0}"
 
+world=()  # the step shape is checked for a fixed world size (not for NNODES=min:max)
+[[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
 for arg in "$@"; do
   case "$arg" in
-    -h|--help) exec .venv/bin/python -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" ;;
+    -h|--help|--help-all)
+      cat <<'EOF'
+usage: [VAR=value ...] ./run_train.sh [--check-config | --help-all] [--section.key VALUE ...]
+
+Environment:
+  CONFIG_FILE      train config (default: train_configs/debug_cpu.toml)
+  NGPU             processes per node (default: the GPUs present, else 2 CPU processes)
+  NNODES           nodes in the job (default 1)
+  NODE_RANK        this node's rank (required when NNODES > 1)
+  MASTER_ADDR      node 0's address, hosting the c10d rendezvous (MASTER_PORT, 29500)
+  RDZV_ENDPOINT    a c10d rendezvous at another host:port (RDZV_ID, default sb_titan)
+  MAX_RESTARTS     job restarts after a failed rank (default 3)
+  LOG_RANK         the rank whose output is shown (default 0)
+  OMP_NUM_THREADS  threads per CPU process (default 1)
+  SB_TORCH_SPEC    the torch pip installs when .venv is first set up (default without an
+                   NVIDIA GPU: torch==2.13.0, the CPU wheel)
+
+EOF
+      exec .venv/bin/python -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" ;;
+    --check-config)  # the checks alone, in one process: no lock, no torchrun
+      exec "${world[@]}" .venv/bin/python -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" ;;
   esac
 done
 
@@ -48,8 +70,6 @@ export SB_RUN_TOKEN="${SB_RUN_TOKEN:-$token}" SB_LAUNCHER_PID=$$
 # Fail fast, once, with one clear line on a bad config, profile, dataset or checkpoint
 # (before spawning ranks; sb_titan/config/preflight.py); warn about restarts without
 # checkpoints; learn where a rank records the error that stopped it.
-world=()  # the step shape is checked for a fixed world size (not for NNODES=min:max)
-[[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
 fatal_file="$("${world[@]}" .venv/bin/python -m sb_titan.tools.train \
   --prelaunch --config_file "$CONFIG_FILE" "$@" | tail -n 1)"
 dump_folder="$(dirname "$fatal_file")"

@@ -173,12 +173,12 @@ def test_flex_training_on_cpu_is_refused_before_launch(tmp_path):
 @pytest.mark.parametrize(
     "launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.tools.train"]]
 )
-def test_help_prints_usage_and_exits_0(launcher):
-    """--help prints the usage and every override, with the real choices of the recipe's
-    named values (not "one of POLICIES" typed STR), and exits 0."""
+def test_help_all_prints_usage_and_every_override(launcher):
+    """--help-all prints the usage and every override, with the real choices of the
+    recipe's named values (not "one of POLICIES" typed STR), and exits 0."""
     env = cpu_env(COLUMNS="200")  # wide enough that no choice list wraps
     proc = subprocess.run(
-        [*launcher, "--help"], cwd=REPO, capture_output=True, text=True, timeout=180, env=env
+        [*launcher, "--help-all"], cwd=REPO, capture_output=True, text=True, timeout=180, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: sb-train --config_file" in proc.stdout

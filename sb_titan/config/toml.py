@@ -13,7 +13,10 @@ top of the TOML-filled tree, which re-runs the dataclasses' validation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import sys
 import types
 import typing
 from pathlib import Path
@@ -40,7 +43,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
         path = Path(path)
         data = read_toml(path)
         apply_table(config, data, str(path), prefix="")
-    config = _apply_cli(config, cli_args or [], path)
+    config = _apply_cli(config, cli_args or [])
     try:
         config.rebuild_model_spec()
     except ValueError as e:
@@ -270,21 +273,28 @@ def _loss(value: Any, file: str, where: str):
     return ChunkedLossWrapper.Config(num_chunks=n, loss_fn=CrossEntropyLoss.Config())
 
 
-def _apply_cli(config, cli_args: list[str], path):
+def _apply_cli(config, cli_args: list[str]):
+    """tyro applies the overrides; an unknown key or a value tyro refuses is one line."""
     if not cli_args:
         return config
     import tyro
     from torchtitan.config.manager import ConfigManager, custom_registry
 
+    from sb_titan.config.cli import first_line, unknown_key
+
+    bad = unknown_key(config, cli_args)
+    if bad is not None:
+        raise ConfigError(f"{bad}; `sb-train --help-all` lists every key")
     global _tyro_rules_registered
     if not _tyro_rules_registered:
         ConfigManager.register_tyro_rules(custom_registry)
         _tyro_rules_registered = True
+    complaint = io.StringIO()
     try:
-        return tyro.cli(type(config), args=cli_args, default=config, registry=custom_registry)
+        with contextlib.redirect_stderr(complaint):
+            return tyro.cli(type(config), args=cli_args, default=config, registry=custom_registry)
     except SystemExit as e:
         if e.code in (0, None):  # --help: tyro printed it; not an error
+            sys.stderr.write(complaint.getvalue())
             raise
-        raise ConfigError(
-            f"{path or '<defaults>'}: invalid command-line override(s) {cli_args} (see above)"
-        ) from e
+        raise ConfigError(f"command line: {first_line(complaint.getvalue())}") from None

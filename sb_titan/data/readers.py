@@ -314,16 +314,27 @@ def read_hf_hub(name: str, text_field: str, hf: HFOptions) -> Iterator[Record]:
         first = next(rows, None)
     except Exception as e:  # the hub's and the builders' errors vary: report them in one line
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, KeyError):  # datasets' JSON builder, on records of unequal fields
+            message = f"a record lacks the field {message}; expected it in every record"
         raise InputError(f"--hf-dataset {name}: cannot load split '{split}' ({message})") from None
     if first is None:
         return
     _require_column(where, list(first), text_field)
     yield Record(f"{where}:1", first[text_field])
-    for row, example in enumerate(rows, 2):
-        if text_field not in example:
-            yield Record(f"{where}:{row}", None, f"no field '{text_field}'")
-            continue
-        yield Record(f"{where}:{row}", example[text_field])
+    row = 1
+    try:
+        for row, example in enumerate(rows, 2):
+            if text_field not in example:
+                yield Record(f"{where}:{row}", None, f"no field '{text_field}'")
+                continue
+            yield Record(f"{where}:{row}", example[text_field])
+    except Exception as e:  # datasets reads a batch at a time: a record it cannot cast
+        message = " ".join(str(e).split())[:300] or type(e).__name__  # to the first ones'
+        raise InputError(
+            f"{where}:{row + 1}: this record (or one after it in its file or batch) does not "
+            f"match the records before it ({message}); expected the string field "
+            f"'{text_field}' in every record"
+        ) from None
 
 
 # -- pre-tokenized: Megatron -------------------------------------------------------------------

@@ -185,18 +185,51 @@ class TaskResult:
     by_length: dict[str, float] = field(default_factory=dict)
 
 
+# Where the files come from, said wherever they are missing or malformed.
+DATA_SOURCE = (
+    "LongBench's data is data.zip from huggingface.co/datasets/THUDM/LongBench, unzipped: "
+    "one <task>.jsonl (LongBench-E: <task>_e.jsonl) per task, one JSON object per line "
+    "with input, context, answers, length, all_classes"
+)
+
+
+def task_path(data_dir: Path, task: str, longbench_e: bool = False) -> Path:
+    return Path(data_dir) / f"{task}{'_e' if longbench_e else ''}.jsonl"
+
+
+def check_tasks(data_dir: Path, tasks: tuple[str, ...], longbench_e: bool = False) -> None:
+    """Every task's file read and checked, before a model is loaded for them: a missing or
+    malformed file is a ValueError naming it (and where the data comes from)."""
+    missing = [task_path(data_dir, t, longbench_e) for t in tasks]
+    missing = [str(p) for p in missing if not p.is_file()]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if missing[3:] else "")
+        raise ValueError(f"longbench: not found: {shown}. {DATA_SOURCE}")
+    for task in tasks:
+        load_task(data_dir, task, longbench_e)
+
+
 def load_task(data_dir: Path, task: str, longbench_e: bool = False) -> list[dict]:
     """Samples of one task from `<data_dir>/<task>[_e].jsonl` (LongBench's HF layout)."""
     if task not in DATASET2PROMPT:
         raise ValueError(f"longbench: unknown or unsupported task {task!r}; one of {TASKS}")
-    path = Path(data_dir) / f"{task}{'_e' if longbench_e else ''}.jsonl"
+    path = task_path(data_dir, task, longbench_e)
     if not path.is_file():
-        raise FileNotFoundError(f"longbench: {path} not found (expected LongBench JSONL)")
-    samples = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-    for i, s in enumerate(samples):
-        missing = [f for f in ("input", "context", "answers") if f not in s]
+        raise FileNotFoundError(f"longbench: {path} not found. {DATA_SOURCE}")
+    samples = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            sample = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"longbench: {path}:{i}: not JSON ({e.msg}). {DATA_SOURCE}") from None
+        if not isinstance(sample, dict):
+            raise ValueError(f"longbench: {path}:{i}: not a JSON object. {DATA_SOURCE}")
+        missing = [f for f in ("input", "context", "answers") if f not in sample]
         if missing:
-            raise ValueError(f"longbench: {path}:{i + 1} lacks field(s) {missing}")
+            raise ValueError(f"longbench: {path}:{i}: lacks field(s) {missing}. {DATA_SOURCE}")
+        samples.append(sample)
     return samples
 
 

@@ -3,6 +3,7 @@ corpus's vocabulary: `python -m sb_titan.tools.build_tokenizer` (deterministic).
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -31,5 +32,8 @@ def build_tokenizer(out_dir: Path = TOKENIZER_DIR) -> Tokenizer:
 
 
 if __name__ == "__main__":
-    t = build_tokenizer()
-    print(f"wrote {TOKENIZER_DIR} (vocab {t.get_vocab_size()})")
+    ap = argparse.ArgumentParser(description="(Re)build the bundled tokenizer.")
+    ap.add_argument("--out", type=Path, default=TOKENIZER_DIR, help="default: %(default)s")
+    out = ap.parse_args().out
+    t = build_tokenizer(out)
+    print(f"wrote {out} (vocab {t.get_vocab_size()})")

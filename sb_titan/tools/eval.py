@@ -25,8 +25,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
@@ -41,7 +39,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
+    import torch  # here, once the command's own checks passed: they answer at once
+
     from sb_titan.eval.checkpoint import load_from_config, load_from_hf
+
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads:
+        torch.set_num_threads(threads)
 
     if args.checkpoint is not None:
         if args.config is None:
@@ -66,14 +70,12 @@ def _describe(loaded, budget: float) -> str:
 
 
 def cmd_longbench(args: argparse.Namespace) -> dict:
-    from sb_titan.data.tokenizer import load_tokenizer
-    from sb_titan.eval.checkpoint import eos_ids
-    from sb_titan.eval.generate import Generator
     from sb_titan.eval.longbench import (
         EN_TASKS,
         TASKS,
         ZH_TASKS,
         LongBenchConfig,
+        check_tasks,
         format_table,
         run_longbench,
     )
@@ -84,6 +86,14 @@ def cmd_longbench(args: argparse.Namespace) -> dict:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         sys.exit(f"sb-eval: --tasks: unknown task(s) {unknown}; expected all, en, zh or {TASKS}")
+    try:
+        check_tasks(Path(args.data), tasks, args.e)  # before minutes of loading a model
+    except ValueError as e:
+        sys.exit(f"sb-eval: {e}")
+    from sb_titan.data.tokenizer import load_tokenizer
+    from sb_titan.eval.checkpoint import eos_ids
+    from sb_titan.eval.generate import Generator
+
     loaded = _load(args)
     budget = _budget(args, loaded)
     tok = load_tokenizer(loaded.tokenizer_dir)
@@ -152,6 +162,10 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
             read_haystack(args.haystack)
     except RulerInputError as e:
         sys.exit(f"sb-eval: {e}")
+    from sb_titan.data.tokenizer import load_tokenizer
+    from sb_titan.eval.checkpoint import eos_ids
+    from sb_titan.eval.generate import Generator
+
     loaded = _load(args)
     if max(lengths) > loaded.dims.max_seq_len:
         sys.exit(
@@ -251,9 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     args = parser.parse_args(argv)
-    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    if threads:
-        torch.set_num_threads(threads)
     commands = {"longbench": cmd_longbench, "retrieval": cmd_retrieval, "ruler": cmd_ruler}
     commands[args.command](args)
 

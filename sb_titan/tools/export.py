@@ -16,12 +16,14 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch and the model are imported by the work, not by --help
+    import torch
 
-from sb_titan.models.qwen2_5 import Qwen25Dims
+    from sb_titan.models.qwen2_5 import Qwen25Dims
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes the weights can be saved in
 
 
 def hf_config(dims: Qwen25Dims, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
@@ -59,6 +61,7 @@ def export_model(
     model: torch.nn.Module, dims: Qwen25Dims, out: Path, dtype: str = "float32"
 ) -> Path:
     """Write model.safetensors + config.json for `model` (a built Qwen2.5) into `out`."""
+    import torch
     from safetensors.torch import save_file
 
     from sb_titan.models.qwen2_5 import model_registry
@@ -73,7 +76,8 @@ def export_model(
     adapter = Qwen25StateDictAdapter(spec.model, None)
     hf_state = adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
     # safetensors refuses shared storage; untied copies are exact and contiguous.
-    hf_state = {k: v.to(_DTYPES[dtype]).contiguous().clone() for k, v in hf_state.items()}
+    to = getattr(torch, dtype)
+    hf_state = {k: v.to(to).contiguous().clone() for k, v in hf_state.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
     parser.add_argument("--out", required=True, help="output Hugging Face directory")
-    parser.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     args = parser.parse_args(argv)
 
     from sb_titan.eval.checkpoint import load_from_config

@@ -15,12 +15,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sb_titan.balance.sab import POLICIES, AnalyticCost, Planner, SABConfig, plan_stats, summarize
-from sb_titan.balance.step_shape import StepShape, step_shape
 from sb_titan.data.longtail import longtail_v1
+
+if TYPE_CHECKING:  # step_shape imports torch: the work needs it, --help does not
+    from sb_titan.balance.step_shape import StepShape
 
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
 
@@ -75,6 +78,7 @@ def load_lengths(data: str, seq_len: int, docs: int, seed: int) -> tuple[np.ndar
 
 def shape_from_config(path: Path, world_size: int) -> tuple[StepShape, SABConfig, dict]:
     """The shape the trainer would give the loader, from a TOML train config."""
+    from sb_titan.balance.step_shape import step_shape
     from sb_titan.config.toml import load_config
 
     config = load_config(path)
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         help="attention share of a full one-document row in the cost model",
     )
     args = ap.parse_args(argv)
+    from sb_titan.balance.step_shape import StepShape
 
     shape, sab, synthetic = StepShape(65536, 8, 8, 1), SABConfig(), {"docs": 20000, "seed": 0}
     if args.config is not None:

@@ -238,7 +238,9 @@ def prep(
                 docs = records(inp, opts.text_field, opts.hf)
             _prep_input(inp, docs, encoder, opts, bar)
         if report.samples == 0:
-            raise PrepError("no documents: every input record was malformed or skipped")
+            first = (report.skipped_files + report.malformed)[:1]  # names the input
+            why = f" (first: {first[0]})" if first else ""
+            raise PrepError(f"no documents: every input record was malformed or skipped{why}")
         total = report.samples + len(report.malformed)
         _check_share(Path("all inputs"), report.malformed, total, max_malformed)
         writer.close(_meta(tokenizer_path, tok, sp, opts, report))
@@ -271,6 +273,9 @@ def _prep_input(
         if seen >= EARLY_CHECK_RECORDS and n_bad > opts.max_malformed * seen:
             _check_share(Path(inp.path), report.malformed[bad:], seen, opts.max_malformed)
     encoder.flush()
+    if seen == 0:  # named, not silently a source of no documents
+        report.skipped_files.append(f"{inp.path}: empty (no records), skipped")
+        return
     if inp.many_records:
         _check_share(Path(inp.path), report.malformed[bad:], seen, opts.max_malformed)
     source = {"path": inp.path, "format": inp.kind}

@@ -7,28 +7,31 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the profiler loads torch and TorchTitan: the work needs them, --help not
+    import torch
 
-from sb_titan.balance.cost_model import CostModel, ProfileError
-from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS, fingerprint_diffs
-from sb_titan.profiler.fingerprint import current_fingerprint
-from sb_titan.profiler.run import (
-    DEFAULT_DENSITIES,
-    ProfileSettings,
-    default_lengths,
-    microbatch_rows,
-    run_profile,
-    write_profile,
-)
-from sb_titan.profiler.stage import SCOPES, ProfilerError
-from sb_titan.profiler.timing import CLOCKS
+    from sb_titan.profiler.run import ProfileSettings
+
+# --help's choices, named here for that reason; tests/test_cli.py holds them equal to
+# sb_titan.profiler's SCOPES and CLOCKS.
+SCOPES = ("blocks", "stage")
+CLOCKS = ("wall", "cpu")
 
 
 def settings_from_args(
     config: Any, args: argparse.Namespace, device: torch.device
 ) -> ProfileSettings:
+    import torch
+
+    from sb_titan.profiler.run import (
+        DEFAULT_DENSITIES,
+        ProfileSettings,
+        default_lengths,
+        microbatch_rows,
+    )
+
     row_len = config.training.seq_len
     cpu_clock = device.type == "cpu" and torch.get_num_threads() == 1
     return ProfileSettings(
@@ -45,6 +48,10 @@ def settings_from_args(
 
 def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
     """`--check`: load a profile, print a summary, compare fingerprints given a config."""
+    from sb_titan.balance.cost_model import CostModel
+    from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS, fingerprint_diffs
+    from sb_titan.profiler.fingerprint import current_fingerprint
+
     model = CostModel.from_file(path)
     p = model.profile
     print(
@@ -69,6 +76,7 @@ def _load_config(path: Path, overrides: list[str], measure_on: torch.device | No
     """The config; to measure on `measure_on`, also the checks a training run gets
     (the profile times backward)."""
     from sb_titan.config.toml import ConfigError, check_training_backend, load_config
+    from sb_titan.profiler.stage import ProfilerError
 
     try:
         config = load_config(path, overrides)
@@ -123,6 +131,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args, overrides = ap.parse_known_args(argv)
+    import torch
+
+    from sb_titan.balance.cost_model import ProfileError
+    from sb_titan.profiler.run import run_profile, write_profile
+    from sb_titan.profiler.stage import ProfilerError
+
     logging.basicConfig(level=logging.WARNING, format="sb-profile: %(message)s")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":

@@ -19,16 +19,18 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sb_titan.balance.cost_model import (
-    ANALYTIC_DEVICES,
-)
-from sb_titan.balance.dst import ANCHORS
-from sb_titan.models.qwen2_5 import FLAVORS
-from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
-from sb_titan.simulator.report import format_table, plot_timelines
-from sb_titan.simulator.run import simulate
-from sb_titan.simulator.step import BASELINE_POLICIES
+if TYPE_CHECKING:
+    from sb_titan.simulator.cluster import Cluster, Scenario
+
+# The choices --help lists, named here so that --help answers without importing the
+# simulator (it loads torch and TorchTitan's model code); tests/test_cli.py holds them
+# equal to the simulator's SCHEDULES, sorted ANALYTIC_DEVICES, BASELINE_POLICIES, ANCHORS.
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+DEVICES = ("cpu", "h100", "h200")
+BASELINE_POLICIES = ("sequential", "tokens")
+ANCHORS = ("min", "mean", "median", "max", "recall")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,9 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, help="rows of seq_len per micro-batch (default 1)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", help="sb-profile JSON (one stage) instead of the analytic model")
-    src.add_argument(
-        "--device", choices=sorted(ANALYTIC_DEVICES), help="analytic device (default h200)"
-    )
+    src.add_argument("--device", choices=DEVICES, help="analytic device (default h200)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--seq-len", type=int, help="row length R (config, else 65536)")
     p.add_argument("--data", help="sb-prep dataset directory (lengths only); default longtail-v1")
@@ -80,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
         help="context-parallel degree: simulate DP x CP groups training one row each "
         "(dense/sparse x zigzag/balanced split) instead of the pipeline variants",
     )
-    p.add_argument("--cp-gbps", type=float, default=Network().cp_gbps, help="CP ring GB/s")
-    p.add_argument("--p2p-gbps", type=float, default=Network().p2p_gbps)
-    p.add_argument("--allreduce-gbps", type=float, default=Network().allreduce_gbps)
+    net = "GB/s (default: sb_titan.simulator.Network's)"
+    p.add_argument("--cp-gbps", type=float, help=f"CP ring {net}")
+    p.add_argument("--p2p-gbps", type=float, help=f"between pipeline stages, {net}")
+    p.add_argument("--allreduce-gbps", type=float, help=f"gradient all-reduce, {net}")
     p.add_argument("--json", help="write the report here")
     p.add_argument("--plot", help="write a Gantt chart of step 0 per variant (PNG)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -91,15 +92,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
     """CLI > config > defaults."""
+    from sb_titan.models.qwen2_5 import FLAVORS
+    from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
+
+    links = dict(p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps, cp_gbps=args.cp_gbps)
     sc = Scenario(
         seed=args.seed,
         steps=args.steps,
         baseline_policy=args.baseline_policy,
         density_exponent=args.density_exponent,
         bwd_over_fwd=args.bwd_over_fwd,
-        network=Network(
-            p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps, cp_gbps=args.cp_gbps
-        ),
+        network=Network(**{k: v for k, v in links.items() if v is not None}),
     )
     pp, schedule, seq_len, mbs, rows = 1, "1F1B", 65536, 8, 1
     if args.config:
@@ -165,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.cp > 1:
         return _main_cp(args, cluster, sc)
+    from sb_titan.simulator.report import format_table, plot_timelines
+    from sb_titan.simulator.run import simulate
+
     rep, first = simulate(cluster, sc, progress=not args.quiet)
     src = sc.profile or f"analytic {sc.device}"
     title = (

@@ -12,21 +12,22 @@ from __future__ import annotations
 import os
 import sys
 
-from sb_titan import compat
-from sb_titan.config.toml import ConfigError, check_training_backend, load_config
-from sb_titan.runtime import elastic
-from sb_titan.runtime.checkpoint import CheckpointIntegrityError
-from sb_titan.runtime.console import install_log_filter
 from sb_titan.util import run_lock
 
 CONFIG_FLAGS = ("--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
+HELP_ALL = "--help-all"
+# Printed without importing torch or TorchTitan: `--help` answers at once.
 USAGE = """usage: sb-train --config_file X.toml [--check-config] [--section.key VALUE ...]
 
   --config_file X.toml  a train config (train_configs/); CLI overrides win over it
-  --check-config        check the config and exit (run_train.sh does this before spawning)
+  --check-config        check the config and what it names (profile, dataset, tokenizer,
+                        checkpoint) and exit; run_train.sh does this before spawning ranks
+  --help-all            this, then every override with its type and default
+                        (TorchTitan's whole option tree: slower, it loads the trainer)
 
-Overrides use TorchTitan's names; every one is listed below.
+Overrides use TorchTitan's names, e.g. --training.steps 4 --dump_folder DIR
+--sab.policy sab; a boolean is --section.flag or --section.no-flag.
 """
 
 
@@ -42,6 +43,8 @@ def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
             elif i + 1 < len(argv):
                 path, i = argv[i + 1], i + 1
             else:
+                from sb_titan.config.toml import ConfigError
+
                 raise ConfigError(f"{flag} needs a path")
         else:
             rest.append(arg)
@@ -55,6 +58,8 @@ def parse(argv: list[str], check: bool = False, lock: bool = False):
     lock is taken first (before the checks read the checkpoint folder), and given back
     if a check fails."""
     import torch
+
+    from sb_titan.config.toml import check_training_backend, load_config
 
     path, overrides = split_config_file(argv)
     config = load_config(path, overrides)
@@ -73,15 +78,27 @@ def parse(argv: list[str], check: bool = False, lock: bool = False):
 
 
 def main(argv: list[str] | None = None) -> None:
-    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in HELP_FLAGS for a in argv):
+    if HELP_ALL in argv:
         print(USAGE)  # tyro then prints every override and exits 0
+        argv = ["--help" if a == HELP_ALL else a for a in argv]
+    elif any(a in HELP_FLAGS for a in argv):
+        print(USAGE)
+        return
     prelaunch = "--prelaunch" in argv
     check_only = prelaunch or "--check-config" in argv
     argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
+    # Past the help: what training (or checking a config) needs, imported only now.
+    from sb_titan import compat
+
+    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
     import torch
     from torchtitan.tools.logging import init_logger
+
+    from sb_titan.config.toml import ConfigError
+    from sb_titan.runtime import elastic
+    from sb_titan.runtime.checkpoint import CheckpointIntegrityError
+    from sb_titan.runtime.console import install_log_filter
 
     init_logger()  # before parsing: it logs what an HF initial load changes in [model]
     install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
@@ -116,6 +133,9 @@ def run(config, holder: run_lock.Holder | None = None) -> None:
     launcher is (under torchrun the agent keeps it for the restart)."""
     import torch
     from torchtitan.tools.logging import init_logger, logger
+
+    from sb_titan.config.toml import ConfigError
+    from sb_titan.runtime import elastic
 
     init_logger()
     trainer = None
