@@ -1,0 +1,59 @@
+"""The model a config describes is the model built, whatever the launcher: the model
+spec is derived from the final config where the trainer is built, never kept on it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO, cpu_env
+
+# debug4 as its flavor-table row says (models/qwen2_5/flavors.py), written out here.
+DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 256, 4, 4, 2, 64, 512, 1024
+
+
+def _qwen2_params(layers: int) -> int:
+    """Parameters of an untied Qwen2 decoder: q/k/v with biases, o, SwiGLU, two norms a
+    layer; embedding, final norm and head."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    attention = (DIM * q + q) + 2 * (DIM * kv + kv) + q * DIM
+    layer = attention + 3 * DIM * HIDDEN + 2 * DIM
+    return layers * layer + 2 * VOCAB * DIM + DIM
+
+
+@pytest.mark.torchrun
+def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
+    """`torchtitan.train` with the recipe's registry and `--model.flavor debug4
+    --sparse_attention.block_size 128`: the model built has debug4's 4 layers and
+    128-token attention blocks, and the cost model prices that model."""
+    out = tmp_path / "built.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd += [str(REPO / "tests" / "native_launch_probe.py")]
+    cmd += ["--module", "sb_titan.models.qwen2_5", "--config", "sb_titan_debug"]
+    cmd += ["--model.flavor", "debug4", "--sparse_attention.block_size", "128"]
+    cmd += ["--cost_model.analytic_device", "cpu", "--training.seq_len", "512"]
+    cmd += ["--dump_folder", str(tmp_path / "dump")]
+    proc = subprocess_run(cmd, tmp_path, out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    built = json.loads(out.read_text())
+    assert built["layers"] == LAYERS
+    assert built["params"] == _qwen2_params(LAYERS)
+    assert built["block_sizes"] == [128]
+    assert built["priced"] == {
+        "hidden": DIM,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "intermediate": HIDDEN,
+        "layers": LAYERS,
+        "block_size": 128,
+    }
+    assert built["priced_block_size"] == 128
+
+
+def subprocess_run(cmd: list[str], cwd, out):
+    import subprocess
+
+    env = cpu_env(PROBE_OUT=str(out), PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
