@@ -4,6 +4,7 @@ spec is derived from the final config where the trainer is built, never kept on 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -34,7 +35,8 @@ def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
     cmd += ["--model.flavor", "debug4", "--sparse_attention.block_size", "128"]
     cmd += ["--cost_model.analytic_device", "cpu", "--training.seq_len", "512"]
     cmd += ["--dump_folder", str(tmp_path / "dump")]
-    proc = subprocess_run(cmd, tmp_path, out)
+    env = cpu_env(PROBE_OUT=str(out), PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     built = json.loads(out.read_text())
     assert built["layers"] == LAYERS
@@ -50,10 +52,3 @@ def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
         "block_size": 128,
     }
     assert built["priced_block_size"] == 128
-
-
-def subprocess_run(cmd: list[str], cwd, out):
-    import subprocess
-
-    env = cpu_env(PROBE_OUT=str(out), PYTHONPATH=str(REPO))
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

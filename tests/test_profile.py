@@ -14,6 +14,7 @@ from conftest import DEBUG_TOML, REPO
 from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 from sb_titan.config.toml import load_config
+from sb_titan.models.qwen2_5 import derive_model_spec
 from sb_titan.models.qwen2_5.attention import SBAttention
 from sb_titan.tools.profile import main as profile_main
 
@@ -45,6 +46,10 @@ def _config(*extra: str):
     return load_config(DEBUG_TOML, [*ROW, *extra])
 
 
+def _model(config):
+    return derive_model_spec(config).model
+
+
 def test_cli_writes_a_loadable_profile_matching_current_fingerprint(profiled, one_thread):
     profile = Profile.load(profiled)
     assert profile.lengths == [64, 256] and profile.densities == [0.5, 1.0]
@@ -53,7 +58,12 @@ def test_cli_writes_a_loadable_profile_matching_current_fingerprint(profiled, on
     fp = profile.fingerprint
     assert fp["stage_modules"] == ["layers.0", "layers.1"] and fp["scope"] == "blocks"
     assert fp["stage_dense_layers"] == [0] and fp["row_len"] == 256 and fp["policy"] == "topk"
-    assert CostModel(profile).check_fingerprint(sbp.current_fingerprint(_config())) == []
+    assert (
+        CostModel(profile).check_fingerprint(
+            sbp.current_fingerprint(config := _config(), _model(config))
+        )
+        == []
+    )
     record = json.loads(profiled.read_text())["measurement"]
     assert record["settings"]["clock"] == "cpu" and len(record["linear_measured_seconds"]) == 4
     kinds = {(p["kind"], p["length"]): p for p in record["attention_points"]}
@@ -75,16 +85,16 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
     same, other = _config(), _config("--sparse_attention.block_size", "128")
     with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model.model"):
         caplog.clear()
-        sbp.load_cost_model(profiled, same)
+        sbp.load_cost_model(profiled, same, _model(same))
         assert not [r for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"]
-        sbp.load_cost_model(profiled, other)
+        sbp.load_cost_model(profiled, other, _model(other))
     (warning,) = [
         r.getMessage() for r in caplog.records if r.name == "sb_titan.balance.cost_model.model"
     ]
     assert "block_size: profile=64 current=128" in warning and str(profiled) in warning
     longer = load_config(DEBUG_TOML, ["--training.seq_len", "512"])
     with pytest.raises(ProfileError, match="row_len: profile=256 current=512"):
-        sbp.load_cost_model(profiled, longer, strict=True)
+        sbp.load_cost_model(profiled, longer, _model(longer), strict=True)
 
 
 def test_check_reports_match_mismatch_and_unusable_files(profiled, tmp_path, capsys, one_thread):
@@ -126,18 +136,20 @@ def test_bad_config_and_unsupported_flavor_are_clear_errors(tmp_path, capsys, on
 
 def test_pipeline_stages_follow_torchtitans_split():
     config = _config("--parallelism.pipeline_parallel_degree", "2")
-    assert sbp.stage_module_names(config, 0) == ["tok_embeddings", "layers.0"]
-    assert sbp.stage_module_names(config, 1) == ["layers.1", "norm", "lm_head"]
-    fp = sbp.current_fingerprint(config, stage=1, device="cpu", scope="stage")
+    model = _model(config)
+    assert sbp.stage_module_names(config, model, 0) == ["tok_embeddings", "layers.0"]
+    assert sbp.stage_module_names(config, model, 1) == ["layers.1", "norm", "lm_head"]
+    fp = sbp.current_fingerprint(config, model, stage=1, device="cpu", scope="stage")
     assert fp["stage_modules"] == ["layers.1", "norm", "lm_head"] and fp["pp_stage"] == 1
     assert fp["stage_dense_layers"] == [] and fp["pp_degree"] == 2
-    assert sbp.current_fingerprint(config, stage=1, device="cpu")["stage_modules"] == ["layers.1"]
+    blocks = sbp.current_fingerprint(config, model, stage=1, device="cpu")
+    assert blocks["stage_modules"] == ["layers.1"]
 
 
 def test_stage_scope_runs_embedding_head_and_loss(one_thread):
     config = _config()
     modules = ["tok_embeddings", "layers.1", "norm", "lm_head"]
-    model = sbp.build_stage(config, modules, torch.device("cpu"))
+    model = sbp.build_stage(config, _model(config), modules, torch.device("cpu"))
     assert len(model.layers) == 1 and model.lm_head is not None
     sbp.make_stage_step(model, config, [[64, 192]] * 2, 0.3, torch.device("cpu"))()
     assert model.lm_head.weight.grad is not None and model.tok_embeddings.weight.grad is not None
