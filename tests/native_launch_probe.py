@@ -30,6 +30,7 @@ def _report(trainer: Trainer) -> None:
         "block_sizes": sorted({m.config.block_size for m in attention}),
         "priced": {key: profile.fingerprint[key] for key in PRICED},
         "priced_block_size": profile.block_size,
+        "spec_left_on_config": trainer.config.model_spec is not None,
     }
     with open(os.environ["PROBE_OUT"], "w") as f:
         json.dump(built, f)

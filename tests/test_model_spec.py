@@ -8,7 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, cpu_env
+from conftest import DEBUG_TOML, REPO, cpu_env
+
+from sb_titan.config.toml import load_config
+from sb_titan.models.qwen2_5 import derive_model_spec
+from sb_titan.runtime.trainer import run_model_spec
 
 # debug4 as its flavor-table row says (models/qwen2_5/flavors.py), written out here.
 DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 256, 4, 4, 2, 64, 512, 1024
@@ -52,3 +56,15 @@ def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
         "block_size": 128,
     }
     assert built["priced_block_size"] == 128
+    assert not built["spec_left_on_config"]  # derived state stays with the trainer
+
+
+def test_a_spec_set_on_the_config_is_refused():
+    """A registry that sets config.model_spec (TorchTitan's habit) would be overridden
+    by [model] or would override it: neither silently."""
+    config = load_config(DEBUG_TOML, ["--model.flavor", "debug4"])
+    assert config.model_spec is None  # the TOML path stores no spec
+    assert len(run_model_spec(config).model.layers) == LAYERS
+    config.model_spec = derive_model_spec(load_config(DEBUG_TOML))
+    with pytest.raises(ValueError, match=r"model_spec is derived from \[model\]"):
+        run_model_spec(config)

@@ -58,11 +58,9 @@ def test_cli_writes_a_loadable_profile_matching_current_fingerprint(profiled, on
     fp = profile.fingerprint
     assert fp["stage_modules"] == ["layers.0", "layers.1"] and fp["scope"] == "blocks"
     assert fp["stage_dense_layers"] == [0] and fp["row_len"] == 256 and fp["policy"] == "topk"
+    config = _config()
     assert (
-        CostModel(profile).check_fingerprint(
-            sbp.current_fingerprint(config := _config(), _model(config))
-        )
-        == []
+        CostModel(profile).check_fingerprint(sbp.current_fingerprint(config, _model(config))) == []
     )
     record = json.loads(profiled.read_text())["measurement"]
     assert record["settings"]["clock"] == "cpu" and len(record["linear_measured_seconds"]) == 4
@@ -187,7 +185,7 @@ def test_every_shipped_profile_matches_the_config_it_is_named_for(profile):
     assert config_path.is_file(), f"{profile} has no train_configs/{profile.stem}.toml"
     config = load_config(config_path)
     have = json.loads(profile.read_text())["fingerprint"]
-    expected = sbp.current_fingerprint(config, device="cpu")
+    expected = sbp.current_fingerprint(config, _model(config), device="cpu")
     diffs = {
         k: (have.get(k), v)
         for k, v in expected.items()

@@ -97,8 +97,14 @@ class AttentionInputs:
 
     @classmethod
     def random(
-        cls, config: Any, model: nn.Module, rows: int, row_len: int, device: torch.device, seed=0
-    ):
+        cls,
+        config: Any,
+        model: nn.Module,
+        rows: int,
+        row_len: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> AttentionInputs:
         """For the attention of `model` (a stage from build_stage)."""
         g = torch.Generator(device="cpu").manual_seed(seed)
         attn = model.config.layers[0].attention
