@@ -17,11 +17,14 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomli
 
 from sb_titan.runtime.elastic import NotRetryable
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
 
 AC_MODES = ("none", "selective", "full")
 _tyro_rules_registered = False
@@ -48,7 +51,7 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
     return config
 
 
-def checked_model_spec(config, path: str | Path | None):
+def checked_model_spec(config, path: str | Path | None) -> ModelSpec:
     """The model spec `config` builds (models.qwen2_5.derive_model_spec), for a tool that
     checks, prices or profiles a run; a problem with it (a flavor, an HF initial load's
     config.json, a row beyond the RoPE length) is a ConfigError naming the file."""
