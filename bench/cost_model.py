@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from sb_titan.balance.cost_model import CostModel, LatencyObservation, Profile
-from sb_titan.config.toml import load_config
+from sb_titan.config.toml import checked_model_spec, load_config
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.profiler import (
     AttentionInputs,
@@ -194,6 +194,7 @@ def main() -> int:
     else:
         row_len, stage, scope = args.row_len or default_row_len, 0, "blocks"
     config = load_config(args.config, ["--training.seq_len", str(row_len)])
+    model_cfg = checked_model_spec(config, args.config).model
     rows = microbatch_rows(config)
     if not args.profile:
         settings = ProfileSettings(
@@ -204,7 +205,7 @@ def main() -> int:
             clock="cpu",
             scope=scope,
         )
-        run = run_profile(config, settings, stage, torch.device("cpu"))
+        run = run_profile(config, model_cfg, settings, stage, torch.device("cpu"))
         profile, record = run.profile, run.measurement
         profile_s = record["elapsed_s"]
         profile_src = "measured by this run"
@@ -213,13 +214,13 @@ def main() -> int:
             profile_src = f"measured by this run, saved to {args.save_profile}"
     cost = CostModel(profile)
 
-    modules = scoped_modules(stage_module_names(config, stage), scope)
-    model = build_stage(config, modules, torch.device("cpu"))
+    modules = scoped_modules(stage_module_names(config, model_cfg, stage), scope)
+    model = build_stage(config, model_cfg, modules, torch.device("cpu"))
     rng = np.random.default_rng(args.seed)
     lengths = longtail_v1(args.n * rows * row_len // 16, row_len, args.seed)
     batches = pack(lengths, args.n, rows, row_len)
     budgets = rng.uniform(*BUDGET_RANGE, size=args.n).round(4)
-    inputs = AttentionInputs.random(config, rows, row_len, torch.device("cpu"))
+    inputs = AttentionInputs.random(config, model, rows, row_len, torch.device("cpu"))
     samples, steps = [], []
     for i, (mb, beta) in enumerate(zip(batches, budgets, strict=True)):
         doc_lens = [n for row in mb for n in row]

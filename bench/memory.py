@@ -428,11 +428,11 @@ def in_flight(schedule: str, stages: int, stage: int, microbatches: int) -> int:
     raise ValueError(f"pipeline_parallel_schedule {schedule!r}: only 1F1B and GPipe are modelled")
 
 
-def stage_layout(config: Any) -> list[list[str]]:
+def stage_layout(config: Any, model: Any) -> list[list[str]]:
     from sb_titan.profiler.stage import stage_module_names
 
     return [
-        stage_module_names(config, s)
+        stage_module_names(config, model, s)
         for s in range(max(1, config.parallelism.pipeline_parallel_degree))
     ]
 
@@ -456,14 +456,17 @@ def static_bytes(config: Any, params: int, buffers: int) -> dict[str, int]:
     }
 
 
-def stage_memory(config: Any, trace: SliceTrace, stage: int, modules: list[str]) -> StageMemory:
+def stage_memory(
+    config: Any, model: Any, trace: SliceTrace, stage: int, modules: list[str]
+) -> StageMemory:
+    """`model`: the run's model spec's (its layers' kinds and parameters)."""
     from sb_titan.profiler.stage import layer_ids, stage_params
 
     p = config.parallelism
     n_stages = max(1, p.pipeline_parallel_degree)
     microbatches = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
     first, last = "tok_embeddings" in modules, "lm_head" in modules
-    kinds = _layer_kinds(config, layer_ids(modules))
+    kinds = _layer_kinds(model, layer_ids(modules))
     hidden = trace.embedding_out  # one micro-batch's hidden states [mb, L, D]
     per_mb = sum(trace.layers[k].saved for k in kinds)
     per_mb += trace.embedding_out if first else 0
@@ -476,7 +479,7 @@ def stage_memory(config: Any, trace: SliceTrace, stage: int, modules: list[str])
     if n_stages > 1:
         pipeline += 0 if first else 2 * microbatches * hidden  # received inputs + their grads
         pipeline += 0 if last else microbatches * hidden  # received output grads
-    params = stage_params(config, modules)
+    params = stage_params(model, modules)
     parts = {
         **static_bytes(config, params, len(kinds) * trace.layer_buffer_bytes),
         "pipeline_buffers": pipeline,
@@ -494,8 +497,8 @@ def stage_memory(config: Any, trace: SliceTrace, stage: int, modules: list[str])
     )
 
 
-def _layer_kinds(config: Any, ids: list[int]) -> list[str]:
-    layers = config.model_spec.model.layers
+def _layer_kinds(model: Any, ids: list[int]) -> list[str]:
+    layers = model.layers
     return ["sparse" if layers[i].attention.inner_attention.sparse else "dense" for i in ids]
 
 
@@ -513,22 +516,24 @@ def target_gpu(path: Path) -> str:
     return name
 
 
-def _stages(config: Any, trace: SliceTrace) -> list[StageMemory]:
-    return [stage_memory(config, trace, s, m) for s, m in enumerate(stage_layout(config))]
+def _stages(config: Any, model: Any, trace: SliceTrace) -> list[StageMemory]:
+    layout = stage_layout(config, model)
+    return [stage_memory(config, model, trace, s, m) for s, m in enumerate(layout)]
 
 
 def config_memory(path: Path) -> dict[str, Any]:
-    from sb_titan.config.toml import load_config
+    from sb_titan.config.toml import checked_model_spec, load_config
 
     config = load_config(path)
+    model = checked_model_spec(config, path).model
     target = target_gpu(path)
-    stages = _stages(config, trace := trace_slice(config))
+    stages = _stages(config, model, trace := trace_slice(config))
     worst = max(stages, key=lambda st: st.peak_gb)
     unchunked = None
     if _loss_fn(config)[1]:  # what the same run would need with TorchTitan's plain loss
         plain = copy.copy(config)
         plain.loss = CrossEntropyLoss.Config()
-        unchunked = max(st.peak_gb for st in _stages(plain, trace_slice(plain)))
+        unchunked = max(st.peak_gb for st in _stages(plain, model, trace_slice(plain)))
     needed = worst.peak_gb * (1 + FRAGMENTATION) + RESERVE_GB
     p = config.parallelism
     return {

@@ -11,6 +11,7 @@ import torch
 from conftest import REPO, cpu_env
 
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
+from sb_titan.models.qwen2_5 import derive_model_spec
 
 
 def _write(tmp_path, text: str):
@@ -32,7 +33,8 @@ def test_shipped_configs_load():
     assert len(shipped) >= 6
     for path in shipped:
         config = load_config(path)
-        assert config.model_spec is not None and config.model_spec.name == "qwen2_5", path
+        assert config.model_spec is None, path  # derived where the model is built
+        assert derive_model_spec(config).name == "qwen2_5", path
 
 
 def test_recipe_sections_and_model_rebuild(tmp_path):
@@ -40,9 +42,9 @@ def test_recipe_sections_and_model_rebuild(tmp_path):
         tmp_path,
         "[model]\nflavor = '0.5b'\n[sparse_attention]\npolicy = 'topk'\ndense_layers = [0, -1]\n",
     )
-    config = load_config(path)
-    layers = config.model_spec.model.layers
-    assert len(layers) == 24 and config.model_spec.model.enable_weight_tying
+    spec = derive_model_spec(load_config(path))
+    layers = spec.model.layers
+    assert len(layers) == 24 and spec.model.enable_weight_tying
     sparse = [layer.attention.inner_attention.sparse for layer in layers]
     assert sparse[0] is False and sparse[-1] is False and all(sparse[1:-1])
     assert layers[1].attention.inner_attention.policy == "topk"
@@ -150,7 +152,8 @@ def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
     forward-only uses of the config (eval) are left alone."""
     path = _write(tmp_path, "[sparse_attention]\nbackend = 'flex'\n")
     config = load_config(path)
-    assert config.model_spec.model.layers[1].attention.inner_attention.backend == "flex"
+    layers = derive_model_spec(config).model.layers
+    assert layers[1].attention.inner_attention.backend == "flex"
     check_training_backend(config, path, "cuda")
     with pytest.raises(ConfigError) as err:
         check_training_backend(config, path, "cpu")

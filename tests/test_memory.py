@@ -23,6 +23,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from sb_titan.attention.layout import document_causal_mask
 from sb_titan.attention.selection import select_blocks
 from sb_titan.config.toml import load_config
+from sb_titan.models.qwen2_5 import derive_model_spec
 
 _spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "memory.py")
 memory = importlib.util.module_from_spec(_spec)
@@ -40,7 +41,7 @@ def _config(name: str):
 def traces(request):
     config = _config(request.param)
     L = config.training.seq_len
-    dims = config.model_spec.model
+    dims = derive_model_spec(config).model
     # the shape check below needs L/4 (at L/2) above every model width but the vocabulary
     assert L // 8 > max(dims.dim, dims.layers[0].feed_forward.w1.out_features)
     return config, {n: memory.trace_slice(config, seq_len=n, rope_len=2 * n) for n in (L, L // 2)}
@@ -51,7 +52,7 @@ def test_no_token_by_token_tensor(traces):
     for n, trace in by_len.items():
         assert trace.calls.sparse >= 1 and trace.calls.dense >= 1  # the fakes ran
         assert trace.token_square_shapes(n // 4) == [], n
-        rope = config.model_spec.model.layers[0].attention.rope
+        rope = derive_model_spec(config).model.layers[0].attention.rope
         assert ((2 * n, 2 * rope.dim), torch.float32) in trace.shapes  # 2L RoPE table seen
 
 

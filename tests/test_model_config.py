@@ -12,8 +12,8 @@ import sys
 import pytest
 from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, REPO, cpu_env, tiny_hf_qwen2
 
-from sb_titan.config.toml import ConfigError, load_config
-from sb_titan.models.qwen2_5 import FLAVORS, adopt_hf_checkpoint
+from sb_titan.config.toml import ConfigError, checked_model_spec, load_config
+from sb_titan.models.qwen2_5 import FLAVORS, adopt_hf_checkpoint, derive_model_spec
 
 pytest.importorskip("transformers")
 
@@ -37,8 +37,8 @@ def _initial_load(path) -> list[str]:
     ]
 
 
-def _rope_and_eps(spec) -> set[tuple[float, int, float]]:
-    model = spec.model
+def _rope_and_eps(config) -> set[tuple[float, int, float]]:
+    model = derive_model_spec(config).model
     out = {(model.norm.eps,)}
     for layer in model.layers:
         rope = layer.attention.rope
@@ -50,14 +50,14 @@ def test_toml_model_section_reaches_rope_and_norms(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[model]\nrope_theta = 50000.0\nnorm_eps = 1e-5\nmax_seq_len = 2048\n")
     config = load_config(path)
-    assert _rope_and_eps(config.model_spec) == {(1e-5,), (50000.0, 2048, 1e-5, 1e-5)}
-    model = config.model_spec.model.build()
+    assert _rope_and_eps(config) == {(1e-5,), (50000.0, 2048, 1e-5, 1e-5)}
+    model = derive_model_spec(config).model.build()
     assert model.norm.eps == 1e-5
     assert model.layers["0"].attention.rope.cache.shape[0] == 2048
     cli = load_config(path, ["--model.rope_theta", "20000"])
-    assert _rope_and_eps(cli.model_spec) == {(1e-5,), (20000.0, 2048, 1e-5, 1e-5)}
+    assert _rope_and_eps(cli) == {(1e-5,), (20000.0, 2048, 1e-5, 1e-5)}
     # Unset: the flavor's values.
-    assert _rope_and_eps(load_config(DEBUG_TOML).model_spec) == {(1e-6,), (1e6, 32768, 1e-6, 1e-6)}
+    assert _rope_and_eps(load_config(DEBUG_TOML)) == {(1e-6,), (1e6, 32768, 1e-6, 1e-6)}
 
 
 def test_bad_model_values_are_config_errors(tmp_path):
@@ -65,8 +65,9 @@ def test_bad_model_values_are_config_errors(tmp_path):
     path.write_text("[model]\nrope_theta = -1.0\n")
     with pytest.raises(ConfigError, match=r"c\.toml: \[model\] rope_theta = -1.0: expected a posi"):
         load_config(path)
+    config = load_config(DEBUG_TOML, ["--model.max_seq_len", "2048", "--training.seq_len", "4096"])
     with pytest.raises(ConfigError, match=r"training.seq_len = 4096 is beyond the model's 2048"):
-        load_config(DEBUG_TOML, ["--model.max_seq_len", "2048", "--training.seq_len", "4096"])
+        checked_model_spec(config, DEBUG_TOML)
 
 
 def test_adopt_takes_the_checkpoint_values_and_logs_once(hf_dir, caplog):
@@ -115,22 +116,23 @@ def test_initial_load_in_hf_sets_the_run_model_and_eval_agrees(hf_dir):
     from sb_titan.eval.checkpoint import load_from_config
 
     config = load_config(DEBUG_TOML, _initial_load(hf_dir))
-    assert _rope_and_eps(config.model_spec) == {(1e-5,), (12345.0, 4096, 1e-5, 1e-5)}
+    assert _rope_and_eps(config) == {(1e-5,), (12345.0, 4096, 1e-5, 1e-5)}
     # TorchTitan's fallback: no initial_load_path -> hf_assets_path.
     fallback = ["--checkpoint.enable", "--checkpoint.initial_load_in_hf", "--hf_assets_path"]
     config = load_config(DEBUG_TOML, [*fallback, str(hf_dir)])
-    assert _rope_and_eps(config.model_spec) == {(1e-5,), (12345.0, 4096, 1e-5, 1e-5)}
+    assert _rope_and_eps(config) == {(1e-5,), (12345.0, 4096, 1e-5, 1e-5)}
     # No initial load (checkpointing off): the flavor's values.
     off = load_config(DEBUG_TOML, _initial_load(hf_dir)[1:])
-    assert _rope_and_eps(off.model_spec) == {(1e-6,), (1e6, 32768, 1e-6, 1e-6)}
+    assert _rope_and_eps(off) == {(1e-6,), (1e6, 32768, 1e-6, 1e-6)}
     loaded = load_from_config(None, DEBUG_TOML, cli_args=_initial_load(hf_dir))
     assert (loaded.dims.rope_theta, loaded.dims.norm_eps, loaded.dims.max_seq_len) == (
         12345.0,
         1e-5,
         4096,
     )
+    too_long = [*_initial_load(hf_dir), "--training.seq_len", "8192"]
     with pytest.raises(ConfigError, match="training.seq_len = 8192 is beyond the model's 4096"):
-        load_config(DEBUG_TOML, [*_initial_load(hf_dir), "--training.seq_len", "8192"])
+        load_from_config(None, DEBUG_TOML, cli_args=too_long)
 
 
 def _check_config(args: list[str]) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS
 from sb_titan.config.toml import load_config
+from sb_titan.models.qwen2_5 import derive_model_spec
 from sb_titan.models.qwen2_5.attention import SBAttention
 from sb_titan.tools.profile import main as profile_main
 
@@ -46,6 +47,10 @@ def _config(*extra: str):
     return load_config(DEBUG_TOML, [*ROW, *extra])
 
 
+def _model(config):
+    return derive_model_spec(config).model
+
+
 def test_cli_writes_a_loadable_profile_matching_current_fingerprint(profiled, one_thread):
     profile = Profile.load(profiled)
     assert profile.lengths == [64, 256] and profile.densities == [0.5, 1.0]
@@ -54,7 +59,10 @@ def test_cli_writes_a_loadable_profile_matching_current_fingerprint(profiled, on
     fp = profile.fingerprint
     assert fp["stage_modules"] == ["layers.0", "layers.1"] and fp["scope"] == "blocks"
     assert fp["stage_dense_layers"] == [0] and fp["row_len"] == 256 and fp["policy"] == "topk"
-    assert CostModel(profile).check_fingerprint(sbp.current_fingerprint(_config())) == []
+    config = _config()
+    assert (
+        CostModel(profile).check_fingerprint(sbp.current_fingerprint(config, _model(config))) == []
+    )
     record = json.loads(profiled.read_text())["measurement"]
     assert record["settings"]["clock"] == "cpu" and len(record["linear_measured_seconds"]) == 4
     kinds = {(p["kind"], p["length"]): p for p in record["attention_points"]}
@@ -76,11 +84,11 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
     same, other = _config(), _config("--sparse_attention.block_size", "128")
     with caplog.at_level(logging.WARNING, logger="sb_titan.balance.cost_model.fingerprint"):
         caplog.clear()
-        sbp.load_cost_model(profiled, same)
+        sbp.load_cost_model(profiled, same, _model(same))
         assert not [
             r for r in caplog.records if r.name == "sb_titan.balance.cost_model.fingerprint"
         ]
-        sbp.load_cost_model(profiled, other)
+        sbp.load_cost_model(profiled, other, _model(other))
     (warning,) = [
         r.getMessage()
         for r in caplog.records
@@ -89,7 +97,7 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
     assert "block_size: profile=64 current=128" in warning and str(profiled) in warning
     longer = load_config(DEBUG_TOML, ["--training.seq_len", "512"])
     with pytest.raises(ProfileError, match="row_len: profile=256 current=512"):
-        sbp.load_cost_model(profiled, longer, strict=True)
+        sbp.load_cost_model(profiled, longer, _model(longer), strict=True)
 
 
 def test_a_profile_of_another_model_shape_is_refused_through_the_trainer_loader(profiled):
@@ -97,14 +105,15 @@ def test_a_profile_of_another_model_shape_is_refused_through_the_trainer_loader(
     with pytest.raises(
         ProfileError, match=r"another model shape: profile \[flavor=debug .*layers=2"
     ):
-        sbp.load_cost_model(profiled, deeper)
+        sbp.load_cost_model(profiled, deeper, _model(deeper))
     allowed = _config("--model.flavor", "debug4", "--cost_model.allow_shape_mismatch")
-    assert sbp.load_cost_model(profiled, allowed).profile.source == str(profiled)
+    assert sbp.load_cost_model(profiled, allowed, _model(allowed)).profile.source == str(profiled)
 
 
 def test_every_fingerprint_key_is_either_shape_or_environment(one_thread):
     """A key added to the fingerprint is placed on purpose: refused, or only warned."""
-    fp = sbp.current_fingerprint(_config(), device="cpu")
+    config = _config()
+    fp = sbp.current_fingerprint(config, _model(config), device="cpu")
     assert set(SHAPE_KEYS) <= set(fp)
     warned = {"device_type", "device_name", "torch", "triton", "dtype", "attention_backend"}
     assert set(fp) - set(SHAPE_KEYS) == warned | {"block_size", "row_len", "cpu_threads"}
@@ -161,18 +170,20 @@ def test_bad_config_and_unsupported_flavor_are_clear_errors(tmp_path, capsys, on
 
 def test_pipeline_stages_follow_torchtitans_split():
     config = _config("--parallelism.pipeline_parallel_degree", "2")
-    assert sbp.stage_module_names(config, 0) == ["tok_embeddings", "layers.0"]
-    assert sbp.stage_module_names(config, 1) == ["layers.1", "norm", "lm_head"]
-    fp = sbp.current_fingerprint(config, stage=1, device="cpu", scope="stage")
+    model = _model(config)
+    assert sbp.stage_module_names(config, model, 0) == ["tok_embeddings", "layers.0"]
+    assert sbp.stage_module_names(config, model, 1) == ["layers.1", "norm", "lm_head"]
+    fp = sbp.current_fingerprint(config, model, stage=1, device="cpu", scope="stage")
     assert fp["stage_modules"] == ["layers.1", "norm", "lm_head"] and fp["pp_stage"] == 1
     assert fp["stage_dense_layers"] == [] and fp["pp_degree"] == 2
-    assert sbp.current_fingerprint(config, stage=1, device="cpu")["stage_modules"] == ["layers.1"]
+    blocks = sbp.current_fingerprint(config, model, stage=1, device="cpu")
+    assert blocks["stage_modules"] == ["layers.1"]
 
 
 def test_stage_scope_runs_embedding_head_and_loss(one_thread):
     config = _config()
     modules = ["tok_embeddings", "layers.1", "norm", "lm_head"]
-    model = sbp.build_stage(config, modules, torch.device("cpu"))
+    model = sbp.build_stage(config, _model(config), modules, torch.device("cpu"))
     assert len(model.layers) == 1 and model.lm_head is not None
     sbp.make_stage_step(model, config, [[64, 192]] * 2, 0.3, torch.device("cpu"))()
     assert model.lm_head.weight.grad is not None and model.tok_embeddings.weight.grad is not None
@@ -210,7 +221,7 @@ def test_every_shipped_profile_matches_the_config_it_is_named_for(profile):
     assert config_path.is_file(), f"{profile} has no train_configs/{profile.stem}.toml"
     config = load_config(config_path)
     have = json.loads(profile.read_text())["fingerprint"]
-    expected = sbp.current_fingerprint(config, device="cpu")
+    expected = sbp.current_fingerprint(config, _model(config), device="cpu")
     diffs = {
         k: (have.get(k), v)
         for k, v in expected.items()

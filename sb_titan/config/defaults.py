@@ -43,5 +43,4 @@ def sb_titan_base() -> SBTrainer.Config:
     # The plain baseline; configs turn on SAB / DST with a latency profile.
     config.sab.policy = "sequential"
     config.dst.enabled = False
-    config.rebuild_model_spec()
     return config

@@ -18,7 +18,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from sb_titan.config.toml import ConfigError
+from sb_titan.config.toml import ConfigError, checked_model_spec
 from sb_titan.data.source import check_tokenizer, check_vocabulary, integrity_note
 
 
@@ -30,16 +30,17 @@ def preflight(config: Any, path: str | Path | None) -> None:
     from sb_titan.runtime.trainer import build_run_cost_model
 
     where = str(path or "<defaults>")
+    model = checked_model_spec(config, path).model  # [model], an HF load's config.json
     try:
         world = os.environ.get("WORLD_SIZE")
         if world is not None:
             step_shape(config, int(world))  # checks context parallelism too
         elif config.parallelism.context_parallel_degree > 1:
             check_context_parallel(config)
-        build_run_cost_model(config)
+        build_run_cost_model(config, model)
         check_assets(config.hf_assets_path)
         source = build_source(config.dataloader, config.training.seq_len)
-        check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+        check_vocabulary(source, model.vocab_size, config.model.flavor)
         notes = [check_tokenizer(source, config.hf_assets_path)]
     except ValueError as e:  # ProfileError, DatasetError, VocabularyError included
         raise ConfigError(f"{where}: {e}") from None

@@ -20,11 +20,14 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomli
 
 from sb_titan.runtime.elastic import NotRetryable
+
+if TYPE_CHECKING:
+    from torchtitan.protocols.model_spec import ModelSpec
 
 AC_MODES = ("none", "selective", "full")
 _tyro_rules_registered = False
@@ -35,7 +38,8 @@ class ConfigError(ValueError, NotRetryable):
 
 
 def load_config(path: str | Path | None, cli_args: list[str] | None = None):
-    """Defaults ← TOML file ← CLI overrides, with the model spec rebuilt at the end."""
+    """Defaults ← TOML file ← CLI overrides. The model spec is not part of it: whatever
+    builds the model derives it from the returned config (models.qwen2_5.derive_model_spec)."""
     from sb_titan.config.defaults import sb_titan_base
 
     config = sb_titan_base()
@@ -44,14 +48,22 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
         data = read_toml(path)
         apply_table(config, data, str(path), prefix="")
     config = _apply_cli(config, cli_args or [])
-    try:
-        config.rebuild_model_spec()
-    except ValueError as e:
-        raise ConfigError(f"{path or '<defaults>'}: {e}") from None
     check_run_length(config, path)
     check_compile(config, path)
     check_loss_chunks(config, path)
     return config
+
+
+def checked_model_spec(config, path: str | Path | None) -> ModelSpec:
+    """The model spec `config` builds (models.qwen2_5.derive_model_spec), for a tool that
+    checks, prices or profiles a run; a problem with it (a flavor, an HF initial load's
+    config.json, a row beyond the RoPE length) is a ConfigError naming the file."""
+    from sb_titan.models.qwen2_5 import derive_model_spec
+
+    try:
+        return derive_model_spec(config)
+    except ValueError as e:
+        raise ConfigError(f"{path or '<defaults>'}: {e}") from None
 
 
 def check_run_length(config, path: str | Path | None) -> None:

@@ -88,12 +88,15 @@ def load_from_config(
     cli_args: list[str] | None = None,
 ) -> LoadedModel:
     """The model a TOML config trains, with weights from `checkpoint` (random if None)."""
-    from sb_titan.config.toml import load_config
+    from sb_titan.config.toml import ConfigError, load_config
 
     config = load_config(config_path, cli_args)
     attn = _attention(config.sparse_attention, attention)
     flavor = config.model.flavor
-    dims = model_dims(config)  # the trainer's rule: flavor, [model] overrides, HF values
+    try:
+        dims = model_dims(config)  # the trainer's rule: flavor, [model] overrides, HF values
+    except ValueError as e:
+        raise ConfigError(f"{config_path}: {e}") from None
     model = build_model(dims, attn, flavor)
     source = f"{config_path} (random init)"
     if checkpoint is not None:

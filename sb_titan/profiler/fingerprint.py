@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.attention.sparse import resolve_backend
 from sb_titan.profiler.stage import (
@@ -40,22 +41,23 @@ def nvidia_driver(version_file: str | Path = "/proc/driver/nvidia/version") -> s
 
 def current_fingerprint(
     config: Any,
+    model: Qwen3Model.Config,
     stage: int = 0,
     device: torch.device | str | None = None,
     scope: str = "blocks",
 ) -> dict[str, Any]:
-    """What a profile must have been measured on to describe this run.
+    """What a profile must have been measured on to describe this run, whose model spec
+    (derived from `config`) builds `model`.
 
     The trainer passes it to CostModel.check_fingerprint. Every rank checks against
     the same stage (the one whose profile DST uses), not its own; `scope` is what the
     trainer's clock measures (decoder blocks, sb_titan/measure.py).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    modules = scoped_modules(stage_module_names(config, stage), scope)
-    model_cfg = config.model_spec.model
-    attn = model_cfg.layers[0].attention
+    modules = scoped_modules(stage_module_names(config, model, stage), scope)
+    attn = model.layers[0].attention
     layers = layer_ids(modules)
-    dense = [i for i in layers if not model_cfg.layers[i].attention.inner_attention.sparse]
+    dense = [i for i in layers if not model.layers[i].attention.inner_attention.sparse]
     fp = {
         "device_type": device.type,
         "device_name": device_name(device),
@@ -65,13 +67,13 @@ def current_fingerprint(
         "attention_backend": resolve_backend(config.sparse_attention.backend, device.type),
         "block_size": config.sparse_attention.block_size,
         "flavor": config.model.flavor,
-        "hidden": model_cfg.dim,
+        "hidden": model.dim,
         "heads": attn.n_heads,
         "kv_heads": attn.n_kv_heads,
         "head_dim": attn.head_dim,
-        "intermediate": model_cfg.layers[0].feed_forward.w1.out_features,
-        "vocab_size": model_cfg.vocab_size,
-        "layers": len(model_cfg.layers),
+        "intermediate": model.layers[0].feed_forward.w1.out_features,
+        "vocab_size": model.vocab_size,
+        "layers": len(model.layers),
         "pp_degree": config.parallelism.pipeline_parallel_degree,
         "pp_stage": stage,
         "scope": scope,

@@ -62,7 +62,7 @@ def make_stage_step(
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, R = len(rows), sum(rows[0])
     dtype = profile_dtype(config, device)
-    dim, vocab = config.model_spec.model.dim, config.model_spec.model.vocab_size
+    dim, vocab = model.config.dim, model.config.vocab_size  # the stage's model, whole
     meta = _meta(rows, budget, device)
     positions = positions_of(rows, device)
     if model.tok_embeddings is not None:
@@ -96,9 +96,18 @@ class AttentionInputs:
     grad: torch.Tensor
 
     @classmethod
-    def random(cls, config: Any, rows: int, row_len: int, device: torch.device, seed: int = 0):
+    def random(
+        cls,
+        config: Any,
+        model: nn.Module,
+        rows: int,
+        row_len: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> AttentionInputs:
+        """For the attention of `model` (a stage from build_stage)."""
         g = torch.Generator(device="cpu").manual_seed(seed)
-        attn = config.model_spec.model.layers[0].attention
+        attn = model.config.layers[0].attention
         dtype = profile_dtype(config, device)
         shapes = [(rows, row_len, h, attn.head_dim) for h in (attn.n_heads, attn.n_kv_heads)]
         q, k, v = (

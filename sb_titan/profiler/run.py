@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.balance.cost_model import CostModel, Profile
 from sb_titan.models.qwen2_5.attention import SBAttention
@@ -166,7 +167,7 @@ def attention_grid(model, config, settings: ProfileSettings, device) -> Attentio
     for k, (module, _) in enumerate(kinds):
         budgets = settings.densities if module.config.sparse else (1.0,)
         points += [(k, n, rho) for n in settings.lengths for rho in budgets]
-    inputs = AttentionInputs.random(config, settings.rows, settings.row_len, device)
+    inputs = AttentionInputs.random(config, model, settings.rows, settings.row_len, device)
     shift = config.sparse_attention.block_size // 2
     built = [
         make_attention_step(
@@ -230,21 +231,23 @@ class ProfileRun:
 
 def run_profile(
     config: Any,
+    model_cfg: Qwen3Model.Config,
     settings: ProfileSettings,
     stage: int = 0,
     device: torch.device | None = None,
     progress: bool = True,
 ) -> ProfileRun:
-    """Measure stage `stage` of `config` on `device` (default: CUDA if present)."""
+    """Measure stage `stage` of `model_cfg` (the model spec's, derived from `config`) on
+    `device` (default: CUDA if present)."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if settings.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ProfilerError("--clock cpu needs the CPU device and one thread (--threads 1)")
-    modules = scoped_modules(stage_module_names(config, stage), settings.scope)
-    check_supported(config, modules, device)
-    fingerprint = current_fingerprint(config, stage, device, settings.scope)
+    modules = scoped_modules(stage_module_names(config, model_cfg, stage), settings.scope)
+    check_supported(config, model_cfg, modules, device)
+    fingerprint = current_fingerprint(config, model_cfg, stage, device, settings.scope)
     fingerprint["row_len"] = settings.row_len
     fingerprint["policy"] = PROFILE_POLICY
-    model = build_stage(config, modules, device)
+    model = build_stage(config, model_cfg, modules, device)
     kinds = attention_kinds(model)
     n_points = len(LINEAR_FRACTIONS) + sum(
         len(settings.lengths) * (len(settings.densities) if m.config.sparse else 1)
@@ -297,18 +300,19 @@ def write_profile(run: ProfileRun, path: str | os.PathLike) -> None:
 def load_cost_model(
     path: str | os.PathLike,
     config: Any | None = None,
+    model_cfg: Qwen3Model.Config | None = None,
     stage: int = 0,
     strict: bool = False,
     **kwargs: Any,
 ) -> CostModel:
-    """Trainer-facing loader: read the profile (ProfileError names the file) and, given
-    the run's config, check its fingerprint as a training run does: another model shape
-    raises unless `config.cost_model.allow_shape_mismatch`, other differences warn
-    (raise under strict)."""
+    """Read the profile (ProfileError names the file) and, given the run's config and
+    the model its spec builds, check its fingerprint as a training run does: another
+    model shape raises unless `config.cost_model.allow_shape_mismatch`, other differences
+    warn (raise under strict)."""
     model = CostModel.from_file(path, **kwargs)
     if config is not None:
-        allow = config.cost_model.allow_shape_mismatch
-        model.check_fingerprint(current_fingerprint(config, stage), strict, allow)
+        expected = current_fingerprint(config, model_cfg, stage)
+        model.check_fingerprint(expected, strict, config.cost_model.allow_shape_mismatch)
     return model
 
 

@@ -5,7 +5,7 @@ inner attention when only the token-linear part is timed."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import platform
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.compat.pipelining import llm_stage_modules, pipeline_metadata
 from sb_titan.models.qwen2_5.attention import SBAttention
@@ -30,12 +31,12 @@ class ProfilerError(ValueError):
     """A profiling request that cannot run here; the message says what to change."""
 
 
-def stage_module_names(config: Any, stage: int) -> list[str]:
-    """Module FQNs of pipeline stage `stage`, split exactly as TorchTitan's pipeline_llm
-    splits the model (first/last stage carry the embedding/head and fewer layers)."""
+def stage_module_names(config: Any, model: Qwen3Model.Config, stage: int) -> list[str]:
+    """Module FQNs of pipeline stage `stage` of `model` (the run's model spec's, derived
+    from `config`), split exactly as TorchTitan's pipeline_llm splits the model
+    (first/last stage carry the embedding/head and fewer layers)."""
     p = config.parallelism
-    model_cfg = config.model_spec.model
-    n_layers = len(model_cfg.layers)
+    n_layers = len(model.layers)
     if p.pipeline_parallel_degree <= 1:
         if stage != 0:
             raise ProfilerError(f"--stage {stage}: the config has no pipeline parallelism")
@@ -43,7 +44,7 @@ def stage_module_names(config: Any, stage: int) -> list[str]:
     parts = p.module_fqns_per_model_part
     if parts is None:
         try:
-            meta = pipeline_metadata(p.pipeline_parallel_degree, p, model_cfg)
+            meta = pipeline_metadata(p.pipeline_parallel_degree, p, model)
             parts = llm_stage_modules(*meta)
         except ValueError as e:
             raise ProfilerError(f"[parallelism] {e}") from None
@@ -63,20 +64,22 @@ def scoped_modules(modules: Sequence[str], scope: str) -> list[str]:
     return [m for m in modules if scope == "stage" or m not in _IO_MODULES]
 
 
-def stage_params(config: Any, modules: Sequence[str]) -> int:
+def stage_params(model: Qwen3Model.Config, modules: Sequence[str]) -> int:
     """Parameters of the modules, counted on the meta device (allocates nothing)."""
     with torch.device("meta"):
-        model = config.model_spec.model.build()
+        built = model.build()
     return sum(
         p.numel()
-        for name, p in model.named_parameters()
+        for name, p in built.named_parameters()
         if any(name == m or name.startswith(m + ".") for m in modules)
     )
 
 
-def check_supported(config: Any, modules: Sequence[str], device: torch.device) -> None:
+def check_supported(
+    config: Any, model: Qwen3Model.Config, modules: Sequence[str], device: torch.device
+) -> None:
     """Refuse a stage this device cannot profile in reasonable time or memory."""
-    n = stage_params(config, modules)
+    n = stage_params(model, modules)
     flavor = config.model.flavor
     if device.type == "cpu" and n > CPU_MAX_STAGE_PARAMS:
         raise ProfilerError(
@@ -96,16 +99,16 @@ def check_supported(config: Any, modules: Sequence[str], device: torch.device) -
             )
 
 
-def build_stage(config: Any, modules: Sequence[str], device: torch.device) -> nn.Module:
-    """The listed modules only, on `device`, with topk selection (exact densities)."""
-    from sb_titan.models.qwen2_5 import model_registry
-
-    attention = dataclasses.replace(config.sparse_attention, policy=PROFILE_POLICY)
-    spec = model_registry(
-        config.model.flavor, attention=attention, tie_embeddings=config.model.tie_embeddings
-    )
+def build_stage(
+    config: Any, model_cfg: Qwen3Model.Config, modules: Sequence[str], device: torch.device
+) -> nn.Module:
+    """The listed modules of `model_cfg` (the run's model spec's) only, on `device`, with
+    topk selection (exact densities)."""
+    model_cfg = copy.deepcopy(model_cfg)
+    for layer in model_cfg.layers:
+        layer.attention.inner_attention.policy = PROFILE_POLICY
     with torch.device("meta"):
-        model = spec.model.build()
+        model = model_cfg.build()
     keep = set(modules)
     for name in [n for n in model.layers if f"layers.{n}" not in keep]:
         del model.layers[name]

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.context_parallel.split import (
@@ -19,14 +20,13 @@ from sb_titan.context_parallel.split import (
     rank_loads,
     zigzag_split,
 )
-from sb_titan.models.qwen2_5 import dense_layer_set, model_dims
 
 
 @dataclass(frozen=True, slots=True)
 class CPSplitter:
     """Which query blocks of each row every CP rank owns, decided per micro-batch from
     the rows' document layout and budget. Built once per run: what it needs of the
-    config (layer counts included, which may come from an HF config.json) is fixed."""
+    config and of the model built (its sparse and dense layers) is fixed."""
 
     degree: int
     block_size: int
@@ -36,13 +36,13 @@ class CPSplitter:
     dense_layers: int
 
     @classmethod
-    def from_config(cls, config: Any) -> CPSplitter:
+    def from_config(cls, config: Any, model: Qwen3Model.Config) -> CPSplitter:
+        """`model`: the run's model spec's, as the trainer derived it from `config`."""
         sa, p = config.sparse_attention, config.parallelism
-        n_layers = model_dims(config).n_layers
-        dense = len(dense_layer_set(sa.dense_layers, n_layers)) if sa.enabled else n_layers
+        sparse = sum(layer.attention.inner_attention.sparse for layer in model.layers)
         return cls(
             p.context_parallel_degree, sa.block_size, sa.policy,
-            p.context_parallel_load_balancer == "headtail", n_layers - dense, dense,
+            p.context_parallel_load_balancer == "headtail", sparse, len(model.layers) - sparse,
         )  # fmt: skip
 
     def __call__(

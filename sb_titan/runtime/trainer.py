@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchtitan.models.qwen3.model import Qwen3Model
+from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
@@ -38,7 +40,7 @@ from sb_titan.balance.cost_model import (
     CostModel,
     CostModelConfig,
     ProfileError,
-    analytic_stage_spec,
+    analytic_spec,
     build_cost_model,
 )
 from sb_titan.balance.dst import DSTConfig, DSTDecision
@@ -48,7 +50,7 @@ from sb_titan.balance.step_shape import step_shape
 from sb_titan.balance.units import ScheduledStep, schedule_step
 from sb_titan.data.loader import SBDataLoader, StepPlanning
 from sb_titan.data.source import check_tokenizer, check_vocabulary
-from sb_titan.models.qwen2_5 import FLAVORS, Flavor, model_dims, model_registry
+from sb_titan.models.qwen2_5 import ModelConfig, derive_model_spec
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
     SparseAttentionConfig,
@@ -71,29 +73,6 @@ from sb_titan.runtime.verify import assert_same_everywhere, plan_digest
 from sb_titan.util.repeats import Repeats
 
 
-@dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The `[model]` section: which Qwen2.5 to build."""
-
-    flavor: Flavor = "debug"
-    """Model size: `debug` (tiny, for CPU) or a published Qwen2.5 size."""
-    tie_embeddings: bool | None = None
-    """Override the flavor's tying (pipeline parallelism needs untied)."""
-    rope_theta: float | None = None
-    """Override the flavor's RoPE base (None: the flavor's, or an HF initial load's)."""
-    norm_eps: float | None = None
-    """Override the flavor's RMSNorm epsilon (None: the flavor's, or an HF initial load's)."""
-    max_seq_len: int | None = None
-    """Override the RoPE length (None: the flavor's, or an HF initial load's); at least
-    training.seq_len. Exported as max_position_embeddings."""
-
-    def __post_init__(self) -> None:
-        for name in ("rope_theta", "norm_eps", "max_seq_len"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} = {value!r}: expected a positive number")
-
-
 class SBTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
@@ -107,16 +86,9 @@ class SBTrainer(Trainer):
         )
         metrics: SBMetricsProcessor.Config = field(default_factory=SBMetricsProcessor.Config)
 
-        def rebuild_model_spec(self) -> None:
-            """model_spec is hidden from the CLI; it is always derived from [model] and
-            [sparse_attention], so TOML and CLI overrides of those take effect. An HF
-            initial load's config.json is checked here too (model_dims), before ranks spawn."""
-            spec = model_registry(
-                self.model.flavor, attention=self.sparse_attention, dims=model_dims(self)
-            )
-            self.model_spec = with_microbatch_schedules(spec)
-
     def __init__(self, config: Config) -> None:
+        self.model_spec = run_model_spec(config)  # derived once, here, whoever launched
+        model = self.model_spec.model
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
@@ -124,10 +96,10 @@ class SBTrainer(Trainer):
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
         self._cp_predicted: dict[int, float] = {}  # micro-batch -> predicted CP imbalance
         cp = config.parallelism.context_parallel_degree > 1
-        self._cp_split = CPSplitter.from_config(config) if cp else None
+        self._cp_split = CPSplitter.from_config(config, model) if cp else None
         self._run = RunContext()
         self._repeats = Repeats()  # warnings that recur every step, rate-limited
-        self.cost_model = build_run_cost_model(config)
+        self.cost_model = build_run_cost_model(config, model)
         self.snapshots = (
             None
             if self.cost_model is None
@@ -135,7 +107,7 @@ class SBTrainer(Trainer):
         )
         planning = loader_planning(config, self.snapshots)
         self._microbatches = planning.microbatches_per_step  # sizes the measurement gather
-        with _as_torchtitan_builds(config, planning) as tensorboard:
+        with _as_torchtitan_builds(config, self.model_spec, planning) as tensorboard:
             super().__init__(config)
         self._first_step: int | None = None
         self._tensorboard = None
@@ -144,7 +116,7 @@ class SBTrainer(Trainer):
                 self.metrics_processor, config, self.parallel_dims
             )
         source = self.dataloader.source  # checked before spawning too (config/preflight.py)
-        check_vocabulary(source, config.model_spec.model.vocab_size, config.model.flavor)
+        check_vocabulary(source, model.vocab_size, config.model.flavor)
         if note := check_tokenizer(source, config.hf_assets_path):
             logger.info(note)
         if self.parallel_dims.pp_enabled:
@@ -422,21 +394,42 @@ class SBTrainer(Trainer):
                 self.snapshots.adopt(self.cost_model, self.step - 1)
 
 
-def build_run_cost_model(config: SBTrainer.Config) -> CostModel | None:
-    """The run's latency predictor; needed by DST and by the `sab` packing policy."""
-    dims = FLAVORS[config.model.flavor]
-    layers = len(config.model_spec.model.layers) // config.parallelism.pipeline_parallel_degree
+def run_model_spec(config: SBTrainer.Config) -> ModelSpec:
+    """The model spec the trainer builds, from its final config: `derive_model_spec` with
+    micro-batch-aware pipeline schedules. A spec set on the config beforehand (TorchTitan's
+    registries set one) is refused rather than silently replaced or obeyed."""
+    if config.model_spec is not None:
+        raise ValueError(
+            "model_spec is derived from [model] and [sparse_attention] when the trainer is "
+            "built; set those sections instead of config.model_spec"
+        )
+    return with_microbatch_schedules(derive_model_spec(config))
+
+
+def build_run_cost_model(config: SBTrainer.Config, model: Qwen3Model.Config) -> CostModel | None:
+    """The run's latency predictor, pricing `model` (the run's model spec's, derived from
+    `config`); needed by DST and by the `sab` packing policy."""
+    attn, ffn = model.layers[0].attention, model.layers[0].feed_forward
+    layers = len(model.layers) // config.parallelism.pipeline_parallel_degree
 
     def spec_for(device: str) -> AnalyticSpec:
-        return analytic_stage_spec(
-            dims, layers, head=True, device=device, block_size=config.sparse_attention.block_size
+        return analytic_spec(
+            device,
+            hidden=model.dim,
+            heads=attn.n_heads,
+            kv_heads=attn.n_kv_heads,
+            head_dim=attn.head_dim,
+            intermediate=ffn.w1.out_features,
+            layers=max(layers, 1),
+            vocab_size=model.vocab_size,
+            block_size=config.sparse_attention.block_size,
         )
 
     expected = {"block_size": config.sparse_attention.block_size}
     if config.cost_model.profile:
         from sb_titan.profiler import current_fingerprint
 
-        expected = current_fingerprint(config)
+        expected = current_fingerprint(config, model)
     model = build_cost_model(config.cost_model, spec_for, expected, config.dst.recall_measure)
     wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
     needs = [name for name, on in wants if on]
@@ -464,21 +457,26 @@ def loader_planning(config: SBTrainer.Config, snapshots: CostModelSnapshots | No
 
 
 @contextlib.contextmanager
-def _as_torchtitan_builds(config: SBTrainer.Config, planning: StepPlanning) -> Iterator[bool]:
-    """While TorchTitan's Trainer builds its parts: the loader's `build(...)` call also
-    passes the step planning, and TensorBoard is left to the recipe (one run folder
-    across restarts, runtime/tensorboard.py). Yields whether TensorBoard was on; the
-    config is restored however the build ends."""
+def _as_torchtitan_builds(
+    config: SBTrainer.Config, spec: ModelSpec, planning: StepPlanning
+) -> Iterator[bool]:
+    """While TorchTitan's Trainer builds its parts: it reads the model spec from the
+    config, so the derived one is set there for the build only; the loader's `build(...)`
+    call also passes the step planning, and TensorBoard is left to the recipe (one run
+    folder across restarts, runtime/tensorboard.py). Yields whether TensorBoard was on;
+    the config is restored however the build ends."""
     loader, tensorboard = config.dataloader, config.metrics.enable_tensorboard
     if isinstance(loader, SBDataLoader.Config):
         config.dataloader = SimpleNamespace(
             build=functools.partial(loader.build, planning=planning)
         )
     config.metrics.enable_tensorboard = False
+    config.model_spec = spec
     try:
         yield tensorboard
     finally:
         config.dataloader, config.metrics.enable_tensorboard = loader, tensorboard
+        config.model_spec = None
 
 
 def _now(device: torch.device) -> float:

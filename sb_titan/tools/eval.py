@@ -162,10 +162,6 @@ def cmd_ruler(args: argparse.Namespace) -> dict:
             read_haystack(args.haystack)
     except RulerInputError as e:
         sys.exit(f"sb-eval: {e}")
-    from sb_titan.data.tokenizer import load_tokenizer
-    from sb_titan.eval.checkpoint import eos_ids
-    from sb_titan.eval.generate import Generator
-
     loaded = _load(args)
     if max(lengths) > loaded.dims.max_seq_len:
         sys.exit(

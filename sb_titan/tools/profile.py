@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the profiler loads torch and TorchTitan: the work needs them, --help not
     import torch
+    from torchtitan.models.qwen3.model import Qwen3Model
 
     from sb_titan.profiler.run import ProfileSettings
 
@@ -46,7 +47,9 @@ def settings_from_args(
     )
 
 
-def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
+def check_file(
+    path: Path, config: Any | None, model_cfg: Qwen3Model.Config | None, stage: int, scope: str
+) -> int:
     """`--check`: load a profile, print a summary, compare fingerprints given a config."""
     from sb_titan.balance.cost_model import CostModel
     from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS, fingerprint_diffs
@@ -62,7 +65,7 @@ def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
     if config is None:
         return 0
     have = {**p.fingerprint, "block_size": p.block_size}
-    diffs = fingerprint_diffs(have, current_fingerprint(config, stage, scope=scope))
+    diffs = fingerprint_diffs(have, current_fingerprint(config, model_cfg, stage, scope=scope))
     if diffs:
         shape = [k for k in diffs if k in SHAPE_KEYS]
         refused = f" (model shape: a run refuses it: {', '.join(shape)})" if shape else ""
@@ -73,18 +76,23 @@ def check_file(path: Path, config: Any | None, stage: int, scope: str) -> int:
 
 
 def _load_config(path: Path, overrides: list[str], measure_on: torch.device | None):
-    """The config; to measure on `measure_on`, also the checks a training run gets
-    (the profile times backward)."""
-    from sb_titan.config.toml import ConfigError, check_training_backend, load_config
+    """The config and the model its spec builds (derived once, here); to measure on
+    `measure_on`, also the checks a training run gets (the profile times backward)."""
+    from sb_titan.config.toml import (
+        ConfigError,
+        check_training_backend,
+        checked_model_spec,
+        load_config,
+    )
     from sb_titan.profiler.stage import ProfilerError
 
     try:
         config = load_config(path, overrides)
         if measure_on is not None:
             check_training_backend(config, path, measure_on.type)
+        return config, checked_model_spec(config, path).model
     except ConfigError as e:
         raise ProfilerError(str(e)) from None
-    return config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -147,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(overrides)}")
     try:
         measure_on = None if args.check else device
-        config = _load_config(args.config, overrides, measure_on) if args.config else None
+        config, model = (None, None)
+        if args.config:
+            config, model = _load_config(args.config, overrides, measure_on)
         if args.check:
-            return check_file(args.check, config, args.stage, args.scope)
+            return check_file(args.check, config, model, args.stage, args.scope)
         settings = settings_from_args(config, args, device)
-        run = run_profile(config, settings, args.stage, device, progress=not args.quiet)
+        run = run_profile(config, model, settings, args.stage, device, progress=not args.quiet)
     except (ProfileError, ProfilerError) as e:
         print(f"sb-profile: error: {e}", file=sys.stderr)
         return 2

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch.nn as nn
 from torchtitan.models.common import CosSinRoPE, Embedding, Linear
@@ -28,48 +27,15 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
 from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
+from sb_titan.models.qwen2_5.flavors import FLAVORS as FLAVORS
+from sb_titan.models.qwen2_5.flavors import Qwen25Dims as Qwen25Dims
+from sb_titan.models.qwen2_5.model_config import ModelConfig as ModelConfig
 
 _LINEAR_INIT: dict[str, Callable] = {
     "weight": partial(nn.init.normal_, std=0.02),
     "bias": nn.init.zeros_,
 }
 _NORM_INIT = {"weight": nn.init.ones_}
-ROPE_THETA = 1_000_000.0
-"""The released Qwen2.5 models' RoPE base (the flavors' default)."""
-NORM_EPS = 1e-6
-"""The released Qwen2.5 models' RMSNorm epsilon (the flavors' default)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Qwen25Dims:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_dim: int
-    vocab_size: int
-    tie_embeddings: bool
-    max_seq_len: int = 131072
-    """RoPE cache length; config.json's max_position_embeddings."""
-    rope_theta: float = ROPE_THETA
-    norm_eps: float = NORM_EPS
-
-
-FLAVORS: dict[str, Qwen25Dims] = {
-    # Tiny CPU model; head_dim 64 like 0.5B so the sparse kernels' shapes are real.
-    # Untied so that pipeline parallelism works out of the box.
-    "debug": Qwen25Dims(256, 2, 4, 2, 64, 512, 1024, False, 32768),
-    # The same with 4 layers: multi-token key -> value recall needs composed offset heads
-    # that 2 layers of 4 heads did not learn in CPU time (bench/accuracy.py's base).
-    "debug4": Qwen25Dims(256, 4, 4, 2, 64, 512, 1024, False, 32768),
-    # Published Qwen2.5 dimensions (Hugging Face config.json).
-    "0.5b": Qwen25Dims(896, 24, 14, 2, 64, 4864, 151936, True),
-    "1.5b": Qwen25Dims(1536, 28, 12, 2, 128, 8960, 151936, True),
-    "3b": Qwen25Dims(2048, 36, 16, 2, 128, 11008, 151936, True),
-    "7b": Qwen25Dims(3584, 28, 28, 4, 128, 18944, 152064, False),
-}
-Flavor = Literal[tuple(FLAVORS)]  # `[model] flavor`: the CLI help and TOML errors list them
 
 
 # Qwen25Dims field -> config.json key. Shapes must match a checkpoint exactly; the
@@ -185,7 +151,7 @@ def dims_from_hf_config(hf: dict[str, Any], source: str = "config.json") -> Qwen
     )
 
 
-def dims_from_model_config(model: Any) -> Qwen25Dims:
+def dims_from_model_config(model: ModelConfig) -> Qwen25Dims:
     """The `[model]` section (flavor + optional overrides; None = the flavor's value)
     → dims. The one rule the trainer, sb-eval and sb-export share."""
     if model.flavor not in FLAVORS:
@@ -374,3 +340,14 @@ def model_registry(
         post_optimizer_build_fn=None,
         state_dict_adapter=Qwen25StateDictAdapter,
     )
+
+
+def derive_model_spec(config: Any) -> ModelSpec:
+    """The ModelSpec a trainer config (SBTrainer.Config) builds: [model], with an HF
+    initial load's values (`model_dims`), and [sparse_attention]. Derived from the final
+    config by whatever builds from it (the trainer, once, whoever launched it; the tools
+    that check, price or profile a run) and never stored on the config: a stored copy
+    misses every override of those sections made after it (TorchTitan's launcher applies
+    the command line to a registry's config)."""
+    dims = model_dims(config)
+    return model_registry(config.model.flavor, attention=config.sparse_attention, dims=dims)
