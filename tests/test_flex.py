@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sb_titan_kernels.block_sparse_attn import block_sparse_attention_ref
+from sb_titan_kernels.attn_fwd_naive import block_sparse_attention_ref
 from test_sparse_attention import make_doc_id
 
 from sb_titan.attention.flex import (
