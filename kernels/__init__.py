@@ -3,9 +3,9 @@ forward/backward over a compressed block table, and the block-mass estimator.
 
 One kernel family per file, its naive PyTorch reference beside it (`*_naive.py`):
 attn_fwd, attn_bwd_dq, attn_bwd_dkdv (+ block_sparse_attn: launch and autograd),
-estimator, block_max. Nothing here imports sb_titan
-(imports run model -> attention -> kernels). `sb_titan_kernels.aot` (ahead-of-time
-compilation and resource checks) is tooling and is not imported here.
+estimator, block_max. Nothing here imports sb_titan (imports run model -> attention ->
+kernels). `sb_titan_kernels.aot` (ahead-of-time compilation and resource checks) is
+tooling and is not imported here.
 """
 
 from .attn_bwd_dkdv_naive import attention_dkdv_ref
