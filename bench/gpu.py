@@ -336,22 +336,25 @@ def peer(name: str, L: int, heads, repeats: int, device) -> dict:
 
 
 def _kernel_times(q, k, v, doc_id, table, scale: float, repeats: int, device) -> dict:
-    """The four kernels of sb_titan_kernels.block_sparse_attn timed one by one through
-    their launchers: forward, backward preprocess, dQ, and dK/dV (work plan, kernel and
-    partial reduce); the plan alone as well. dO: the shared seeded one."""
-    from sb_titan_kernels import block_sparse_attn as kern  # the kernels' own stages
+    """The attention kernel families timed one by one through their launchers: forward,
+    backward preprocess, dQ, and dK/dV (work plan, kernel and partial reduce); the plan
+    alone as well. dO: the shared seeded one."""
+    from sb_titan_kernels.attn_bwd_dkdv import attn_bwd_dkdv, plan_dkdv
+    from sb_titan_kernels.attn_bwd_dq import attn_bwd_dq, attn_bwd_preprocess
+    from sb_titan_kernels.attn_fwd import attn_fwd
+    from sb_titan_kernels.block_sparse_attn import prepare
 
-    p = kern._prepare(q, k, v, doc_id, table, scale)
+    p = prepare(q, k, v, doc_id, table, scale)
     bs = p.block_size
-    out, lse = kern._fwd(p)
+    out, lse = attn_fwd(p)
     do = grad_like(q)
-    delta = kern._bwd_preprocess(out, do, bs)
+    delta = attn_bwd_preprocess(out, do, bs)
     timed = {
-        "fwd_ms": lambda: kern._fwd(p),
-        "preprocess_ms": lambda: kern._bwd_preprocess(out, do, bs),
-        "dq_ms": lambda: kern._bwd_dq(p, do, lse, delta),
-        "dkdv_ms": lambda: kern._bwd_dkdv(p, do, lse, delta),
-        "dkdv_plan_ms": lambda: kern.plan_dkdv(p.q_ptr, p.q_index.numel()),
+        "fwd_ms": lambda: attn_fwd(p),
+        "preprocess_ms": lambda: attn_bwd_preprocess(out, do, bs),
+        "dq_ms": lambda: attn_bwd_dq(p, do, lse, delta),
+        "dkdv_ms": lambda: attn_bwd_dkdv(p, do, lse, delta),
+        "dkdv_plan_ms": lambda: plan_dkdv(p.q_ptr, p.q_index.numel()),
     }
     row = {name: median_ms(fn, repeats, device) for name, fn in timed.items()}
     row["preprocess_bytes"] = 2 * out.numel() * out.element_size() + 4 * delta.numel()
@@ -360,7 +363,7 @@ def _kernel_times(q, k, v, doc_id, table, scale: float, repeats: int, device) ->
 
 def speed(L: int, heads, block: int, density: float, repeats: int, device, peers: dict) -> dict:
     """(b): each kernel alone on a `topk` table, and the rates beside the peers'."""
-    from sb_titan_kernels.block_sparse_attn import plan_dkdv
+    from sb_titan_kernels.attn_bwd_dkdv import plan_dkdv
 
     (q, k, v), doc_id = _speed_inputs(L, tuple(heads), device)
     table, realised = _table(q.float(), k.float(), doc_id, density, block)

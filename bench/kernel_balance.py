@@ -5,7 +5,7 @@
     python bench/kernel_balance.py --no-subtiles        # skip the token-level sub-tile census
 
 Nothing here runs a kernel or times anything: it counts the work each GPU program of
-the Triton kernels (kernels/block_sparse_attn.py) would do, on block tables made by the
+the Triton kernels (kernels/attn_*.py) would do, on block tables made by the
 recipe's own selection (`select_blocks`, CPU) from structured q/k. A unit of work is one
 kept (query block, key block) pair of one kv head; every program's cost is that count
 times the same per-pair factor (sub-tiles x G q heads), so ratios are exact in this
@@ -47,7 +47,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # a source checkout without install
     sys.path.insert(0, str(REPO))
 
-from sb_titan_kernels.block_sparse_attn import attn_tiles, plan_dkdv  # noqa: E402
+from sb_titan_kernels.attn_bwd_dkdv import plan_dkdv  # noqa: E402
+from sb_titan_kernels.attn_tiles import attn_tiles  # noqa: E402
 
 from sb_titan.attention.selection import BlockTable, select_blocks  # noqa: E402
 
@@ -193,8 +194,8 @@ def _pair_classes(doc_id: torch.Tensor, m0: torch.Tensor, n0: torch.Tensor, bm: 
 
 
 def _kernel_rules(kind: str, doc_start, doc_end, m0, n0, bm: int, bn: int, L: int):
-    """(run, masked) [P] bool: the kernels' own rules, transcribed (docstring of
-    block_sparse_attn's kernels): whether a sub-tile pair lies inside the program's
+    """(run, masked) [P] bool: the kernels' own rules, transcribed (kernels/attn_common.py,
+    "Masks"): whether a sub-tile pair lies inside the program's
     iteration range, and whether it evaluates the mask."""
     last_row = (m0 + bm).clamp(max=L) - 1
     if kind == "fwd":  # range: keys after the first row's doc start, before the last row

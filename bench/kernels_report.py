@@ -196,7 +196,7 @@ def pick(kernel: str, tiles: list[Tile]) -> Tile | None:
 
 
 def table_python(best: dict[tuple[str, int, int], Tile | None]) -> str:
-    """`_BY_SHAPE` of kernels/block_sparse_attn.py as Python source, ready to paste."""
+    """`_BY_SHAPE` of kernels/attn_tiles.py as Python source, ready to paste."""
     lines = ["_BY_SHAPE: dict[tuple[int, int], AttnTiles] = {"]
     for d, bs in product(SHIPPED_HEAD_DIMS, SHIPPED_BLOCK_SIZES):
         tiles = {}

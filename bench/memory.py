@@ -152,7 +152,7 @@ class _FakeAttention(torch.autograd.Function):
     saved with q, k, v (and any table) for backward; backward allocates delta [B, H, L]
     fp32, dq, dk, dv, plus the extras: FlashAttention-2's fp32 dq accumulator and its
     q-head-sized dk/dv for GQA (dense); for the block-sparse Triton kernels the fp32
-    dK/dV partials of split key blocks (kernels/block_sparse_attn.py `plan_dkdv`), at
+    dK/dV partials of split key blocks (kernels/attn_bwd_dkdv.py `plan_dkdv`), at
     most about one fp32 dK and dV (bench/kernel_balance.py measures 0.8-1.0x at cap =
     the mean), so sized as that."""
 

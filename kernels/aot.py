@@ -33,9 +33,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from . import attn_bwd_dkdv, attn_bwd_dq, attn_fwd
 from . import block_max as bmx
-from . import block_sparse_attn as bsa
 from . import estimator as est
+from .attn_common import SCAN
+from .attn_tiles import REDUCE_TILE, attn_tiles
 from .common import (
     FP_FUSION,
     SHIPPED_BLOCK_SIZES,
@@ -142,8 +144,12 @@ ATTN_TILED: dict[str, str] = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}
 
 def attn_spec(kernel: str, dtype: str, head_dim: int, block_size: int, tile: Tile) -> KernelSpec:
     """A tiled attention kernel (a key of ATTN_TILED) at any tile, for the table or a sweep."""
-    fn = {"fwd": bsa._fwd_kernel, "bwd_dq": bsa._bwd_dq_kernel, "bwd_dkdv": bsa._bwd_dkdv_kernel}
-    ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_F32=False, SCAN=bsa.SCAN)
+    fn = {
+        "fwd": attn_fwd._fwd_kernel,
+        "bwd_dq": attn_bwd_dq._bwd_dq_kernel,
+        "bwd_dkdv": attn_bwd_dkdv._bwd_dkdv_kernel,
+    }
+    ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_F32=False, SCAN=SCAN)
     ce.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
     return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce)
 
@@ -154,15 +160,19 @@ def shipped_specs() -> Iterator[KernelSpec]:
         dt = TRITON_DTYPE_NAMES[torch_dtype]
         for d in SHIPPED_HEAD_DIMS:
             for bs in SHIPPED_BLOCK_SIZES:
-                tiles = bsa.attn_tiles(torch_dtype, d, bs)
+                tiles = attn_tiles(torch_dtype, d, bs)
                 for name, which in ATTN_TILED.items():
                     yield attn_spec(name, dt, d, bs, getattr(tiles, which))
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=tiles.dkdv.block_n)
-                t = bsa.REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
-                yield KernelSpec("bwd_dkdv_reduce", bsa._dkdv_reduce_kernel, dt, d, bs, t, ce)
+                t = REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
+                yield KernelSpec(
+                    "bwd_dkdv_reduce", attn_bwd_dkdv._dkdv_reduce_kernel, dt, d, bs, t, ce
+                )
                 t = tiles.preprocess
                 ce = dict(HEAD_DIM=d, BLOCK_M=t.block_m)
-                yield KernelSpec("bwd_preprocess", bsa._bwd_preprocess_kernel, dt, d, bs, t, ce)
+                yield KernelSpec(
+                    "bwd_preprocess", attn_bwd_dq._bwd_preprocess_kernel, dt, d, bs, t, ce
+                )
                 et = est.est_tiles(torch_dtype, d, bs)
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, CHUNK=et.pool.block_m)
                 yield KernelSpec("est_pool", est._pool_kernel, dt, d, bs, et.pool, ce)

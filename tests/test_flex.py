@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sb_titan_kernels.block_sparse_attn import block_sparse_attention_ref
+from sb_titan_kernels.attn_fwd_naive import block_sparse_attention_ref
 from test_sparse_attention import make_doc_id
 
+from sb_titan.attention.backends import resolve_backend
 from sb_titan.attention.flex import (
     _INDEX_ATTRS,
     block_mask,
@@ -25,7 +26,7 @@ from sb_titan.attention.flex import (
 )
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import STATS_SIZE, select_blocks
-from sb_titan.attention.sparse import resolve_backend, sparse_attention
+from sb_titan.attention.sparse import sparse_attention
 from sb_titan.models.qwen2_5.attention import SBAttention
 
 torch.set_num_threads(1)

@@ -9,7 +9,9 @@ import importlib.util
 import pytest
 import torch
 from conftest import REPO
-from sb_titan_kernels.block_sparse_attn import attn_tiles, plan_dkdv, query_order
+from sb_titan_kernels.attn_bwd_dkdv import plan_dkdv
+from sb_titan_kernels.attn_common import query_order
+from sb_titan_kernels.attn_tiles import attn_tiles
 
 from sb_titan.attention.selection import counts_to_ptr, full_block_table
 

@@ -1,7 +1,7 @@
 """The kernels' tile rules against the brute-force token mask, on every tile pair.
 
 Forward/dQ and dK/dV cut sub-tiles they call dead from their iteration range and drop
-the mask on pairs they call interior (kernels/block_sparse_attn.py; transcribed in
+the mask on pairs they call interior (kernels/attn_*.py; transcribed in
 bench/kernel_balance.py's `_kernel_rules`). Both are only correct if no pair with an
 allowed (query, key) token pair is cut and every unmasked pair is all-allowed. The
 interpreter numerics (tests/test_kernels.py) check the end result on two rows; this
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import REPO
-from sb_titan_kernels.block_sparse_attn import doc_bounds
+from sb_titan_kernels.attn_common import doc_bounds
 
 _spec = importlib.util.spec_from_file_location("bench_kb", REPO / "bench" / "kernel_balance.py")
 kb = importlib.util.module_from_spec(_spec)

@@ -27,7 +27,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from sb_titan.attention.estimator import ESTIMATORS, block_mass_chunks, sink_blocks
+from sb_titan.attention.backends import ESTIMATORS
+from sb_titan.attention.estimator import block_mass_chunks, sink_blocks
 from sb_titan.attention.selection import MASS_TOL, POLICIES, _select_chunk, select_blocks
 
 ROOT = Path(__file__).resolve().parents[1]

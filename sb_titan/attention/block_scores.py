@@ -37,6 +37,7 @@ from typing import Literal, get_args
 
 import torch
 
+from sb_titan.attention.backends import kernels
 from sb_titan.attention.estimator import (
     allowed_blocks,
     num_blocks,
@@ -169,8 +170,7 @@ def _int4_max_chunks(q, k, doc_start, block_size, scale, estimator, allowed) -> 
 
     codes = int4_codes(q, k)
     if estimator == "triton":
-        from sb_titan_kernels.block_max import block_max_triton
-
+        block_max_triton = kernels().block_max_triton
         ds = doc_start.to(torch.int32)
 
         def block_max(start: int, end: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from sb_titan.attention.backends import resolve_backend
 from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import block_sparse_attention, full_table
 from sb_titan.attention.selection import full_block_table
@@ -103,7 +104,7 @@ def dense_document_attention(
     if kernel == "auto" and torch.compiler.is_compiling():
         # Inside a compiled block: the block-sparse custom ops on the full table (the
         # varlen and Flex paths need host-side lengths and their own compilation).
-        kernel = "triton" if q.device.type == "cuda" else "torch"
+        kernel = resolve_backend("auto", q.device.type)
     elif kernel == "auto":
         support = device_support(q.device)
         kernel = choose_dense_kernel(q.device.type, q.dtype, q.shape[-1], support)

@@ -18,12 +18,11 @@ blocks). `block_mass_chunks` runs either, chunk by chunk, for selection.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import torch
 
-ESTIMATORS = ("torch", "triton")
+from sb_titan.attention.backends import check_estimator, kernels
 
 
 def num_blocks(seq_len: int, block_size: int) -> int:
@@ -140,19 +139,6 @@ def estimate_block_mass(
     return block_mass_from_pooled(qp, kp, sink_blocks(doc_id, block_size), start, end, scale)
 
 
-def check_estimator(estimator: str, device_type: str) -> None:
-    """Raise if `estimator` is unknown, or is Triton on a non-CUDA device without the
-    interpreter (TRITON_INTERPRET=1)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"unknown estimator {estimator!r}; expected one of {ESTIMATORS}")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if estimator == "triton" and device_type != "cuda" and not interpreted:
-        raise ValueError(
-            f"estimator='triton' needs CUDA tensors (got {device_type}); set "
-            "TRITON_INTERPRET=1 to run the kernels in the interpreter, or use estimator='torch'"
-        )
-
-
 def block_mass_chunks(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,9 +161,8 @@ def block_mass_chunks(
     Hkv, L = k.shape[1], k.shape[2]
     nb = num_blocks(L, block_size)
     if estimator == "triton":
-        from sb_titan_kernels import block_probs_triton, pool_blocks_triton
-
-        qp, kp = pool_blocks_triton(q, k, block_size)
+        block_probs_triton = kernels().block_probs_triton
+        qp, kp = kernels().pool_blocks_triton(q, k, block_size)
         doc32 = doc_id.to(torch.int32).contiguous()
 
         def chunk(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

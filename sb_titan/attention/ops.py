@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sb_titan.attention.backends import OP_BACKENDS, kernels
 from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
 from sb_titan.attention.estimator import num_blocks
 from sb_titan.attention.recall import true_recall
@@ -31,8 +32,6 @@ from sb_titan.attention.selection import (
     restrict_rows,
     select_blocks,
 )
-
-OP_BACKENDS = ("torch", "triton")
 
 
 # ------------------------------------------------------------------------------ selection
@@ -140,12 +139,6 @@ def full_table(
 
 
 # ------------------------------------------------------------------------------ attention
-def _kernels():
-    import sb_titan_kernels
-
-    return sb_titan_kernels
-
-
 @torch.library.custom_op("sb_titan::block_sparse_attention", mutates_args=())
 def _attention_op(
     q: Tensor,
@@ -162,7 +155,7 @@ def _attention_op(
 ) -> tuple[Tensor, Tensor]:
     table = BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size)
     if backend == "triton":
-        return _kernels().block_sparse_forward_triton(q, k, v, doc_id, table, scale)
+        return kernels().block_sparse_forward_triton(q, k, v, doc_id, table, scale)
     out, lse = block_sparse_forward(q, k, v, doc_id, table, scale)
     return out.contiguous(), lse.contiguous()  # the layout the fake promises
 
@@ -195,7 +188,7 @@ def _attention_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     table = BlockTable(kv_ptr, kv_index, q_ptr, q_index, block_size)
     if backend == "triton":
-        return _kernels().block_sparse_backward_triton(
+        return kernels().block_sparse_backward_triton(
             grad_out, q, k, v, out, lse, doc_id, table, scale
         )
     dq, dk, dv = block_sparse_backward(grad_out, q, k, v, out, lse, doc_id, table, scale)

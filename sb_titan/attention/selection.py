@@ -26,14 +26,9 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from sb_titan.attention.backends import check_estimator
 from sb_titan.attention.block_scores import check_scorer, score_chunks
-from sb_titan.attention.estimator import (
-    attending,
-    block_mass_chunks,
-    check_estimator,
-    num_blocks,
-    sink_blocks,
-)
+from sb_titan.attention.estimator import attending, block_mass_chunks, num_blocks, sink_blocks
 
 Policy = Literal["mass", "topk"]  # a Literal, so the CLI help lists the choices
 POLICIES: tuple[str, ...] = get_args(Policy)

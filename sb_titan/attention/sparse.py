@@ -4,46 +4,19 @@ One entry point for the model: the pattern is chosen per call (so per micro-batc
 budget changes cost nothing), selection is not differentiated, and the attention runs
 on the Triton kernels for CUDA tensors or on the PyTorch path otherwise. Both steps are
 custom ops (attention/ops.py), so a compiled block traces them as two graph nodes.
+Which implementation runs on which device is decided in attention/backends.py.
 `backend="flex"` attends over the same table with compiled FlexAttention instead
 (attention/flex.py; forward only off CUDA).
 """
 
 from __future__ import annotations
 
-import os
-from typing import Literal, get_args
-
 import torch
 
+from sb_titan.attention.backends import estimator_for, resolve_backend
 from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import attention_forward, measure_true_recall, select
 from sb_titan.attention.selection import AttnStats
-
-Backend = Literal["auto", "torch", "triton", "flex"]  # a Literal: the CLI help lists them
-BACKENDS: tuple[str, ...] = get_args(Backend)
-
-
-def resolve_backend(backend: str, device_type: str) -> str:
-    """What `backend` runs on tensors of `device_type`: `auto` is Triton on CUDA and
-    PyTorch elsewhere; Triton off CUDA only in the interpreter (TRITON_INTERPRET=1);
-    `flex` (compiled FlexAttention) on any device, but off CUDA forward only."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-    if backend == "auto":
-        return "triton" if device_type == "cuda" else "torch"
-    if backend == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (got {device_type}); "
-            "set TRITON_INTERPRET=1 to run the kernels in the interpreter, or use backend='torch'"
-        )
-    return backend
-
-
-def estimator_for(backend: str, device_type: str) -> str:
-    """The selection estimator a resolved backend uses: one selection per device (`flex`
-    on CUDA attends over the table `triton` would use)."""
-    on_gpu = backend == "triton" or (backend == "flex" and device_type == "cuda")
-    return "triton" if on_gpu else "torch"
 
 
 def sparse_attention(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torchtitan.models.qwen3.model import Qwen3Model
 
-from sb_titan.attention.sparse import resolve_backend
+from sb_titan.attention.backends import resolve_backend
 from sb_titan.profiler.stage import (
     device_name,
     layer_ids,

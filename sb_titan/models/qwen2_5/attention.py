@@ -15,17 +15,12 @@ from typing import NamedTuple
 import torch
 from torchtitan.protocols.module import Module
 
+from sb_titan.attention.backends import BACKENDS, Backend, estimator_for, resolve_backend
 from sb_titan.attention.block_scores import ORACLES, SCORERS, Scorer
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import POLICIES, Policy, cp_share
-from sb_titan.attention.sparse import (
-    BACKENDS,
-    Backend,
-    estimator_for,
-    resolve_backend,
-    sparse_attention,
-)
+from sb_titan.attention.sparse import sparse_attention
 from sb_titan.compat.autograd import in_backward_recompute
 from sb_titan.context_parallel.attention import cp_attention
 from sb_titan.context_parallel.split import CPSplit
