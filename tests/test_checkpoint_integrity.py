@@ -384,6 +384,25 @@ def test_resume_on_another_world_size_is_refused_before_spawn(
 
 
 @pytest.mark.torchrun
+def test_ranks_refuse_another_layout_too(trained, tmp_path):
+    """A launch that skips run_train.sh's check (a bare torchrun, TorchTitan's launcher):
+    the rank refuses before DCP loads anything, in one line, recorded as not retryable."""
+    dump = _resume_copy(trained, tmp_path)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    entry = _entry(dump, "--training.steps", "6")
+    proc = _run([*launcher, "--nproc_per_node=1", "-m", "sb_titan.tools.train", *entry])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("sb_titan: checkpoint error:")]
+    assert len(lines) == 1, out[-4000:]
+    assert "checkpoint step 4 was saved on world 2 (DP 2, PP 1, CP 1, TP 1)" in lines[0]
+    assert "this run has world 1 (DP 1, PP 1, CP 1, TP 1)" in lines[0]
+    assert "Loading the checkpoint" not in out and "Training starts" not in out
+    fatal = json.loads((dump / "fatal_error.json").read_text())  # a restart stops at once
+    assert "was saved on world 2" in fatal["cause"]
+
+
+@pytest.mark.torchrun
 def test_export_reads_the_checkpoints_own_config(trained, tmp_path):
     from sb_titan.eval.checkpoint import load_from_hf
     from sb_titan.tools.export import main as export_main

@@ -20,6 +20,7 @@ sets the other labels to IGNORE_INDEX: TorchTitan's cross-entropy skips them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -123,15 +124,11 @@ def _common_prefix(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.lru_cache(maxsize=8)
 def _compile(source: str):
     """The template in transformers' environment (utils/chat_template_utils.py); compiled
     once per source. `{% generation %}` blocks (transformers' assistant tracker) render
     their body."""
-    if source in _COMPILED:
-        return _COMPILED[source]
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -158,5 +155,4 @@ def _compile(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    _COMPILED[source] = env.from_string(source)
-    return _COMPILED[source]
+    return env.from_string(source)
