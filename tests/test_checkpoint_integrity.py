@@ -315,3 +315,127 @@ def test_crash_between_save_and_manifest_restarts_from_last_complete_step(traine
     # rank 0 took the dump-folder lock for torchrun's agent; the restart accepted it as
     # its own run's and released it at the end
     assert not (tmp_path / "sb_titan.lock").exists()
+
+
+# -- the run record: config and layout, in every step folder ------------------------------------
+def _trained_args() -> list[str]:
+    """The overrides `trained` ran with, as conftest.torchrun passed them."""
+    return [*TINY, *_ckpt("--training.steps", "4", "--checkpoint.async_mode", "async")]
+
+
+@pytest.mark.torchrun
+def test_run_record_in_every_step_and_covered_by_the_manifest(trained, tmp_path):
+    from sb_titan.config.toml import config_from_table
+    from sb_titan.runtime.run_record import RECORD, config_table, read_record
+
+    # The resolved config: the TOML with the command line's overrides on top.
+    want = config_table(load_config(DEBUG_TOML, ["--dump_folder", str(trained), *_trained_args()]))
+    want = json.loads(json.dumps(want))
+    layout = {"world": 2, "dp": 2, "pp": 1, "cp": 1, "tp": 1, "microbatches": 1}
+    for step in (2, 4):  # step-2 saved asynchronously, step-4 synchronously
+        d = trained / "checkpoint" / f"step-{step}"
+        assert RECORD in json.loads((d / MANIFEST).read_text())["files"]
+        record = read_record(d)
+        assert record["config"] == want
+        assert record["layout"] == {**layout, "global_batch": 4}  # 2 ranks x 2 rows
+        again = config_table(config_from_table(record["config"], str(d / RECORD)))
+        assert json.loads(json.dumps(again)) == want
+    assert read_record(trained) == read_record(trained / "checkpoint" / "step-4")  # dump folder
+    # The manifest covers it: an edited record is caught like any other file.
+    dump = _resume_copy(trained, tmp_path)
+    edited = dump / "checkpoint" / "step-4" / RECORD
+    edited.write_text(edited.read_text().replace('"world": 2', '"world": 3'))
+    with pytest.raises(CheckpointIntegrityError, match=f"step 4 is corrupted: {edited}"):
+        verify(edited.parent)
+
+
+@pytest.mark.torchrun
+def test_resume_on_another_world_size_is_refused_before_spawn(
+    trained, tmp_path, capsys, monkeypatch
+):
+    """2 ranks saved it; `--check-config` (run_train.sh, before torchrun) for 1 rank
+    refuses in one line naming both layouts; `--checkpoint.reshard` says it is not
+    supported yet; on 2 ranks the resume passes."""
+    from sb_titan.tools.train import main
+
+    dump = _resume_copy(trained, tmp_path)
+
+    def check(world: str, *extra: str) -> int:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        argv = ["--check-config", *_entry(dump, "--training.steps", "6", *extra)]
+        try:
+            main(argv)
+        except SystemExit as e:
+            return e.code
+        return 0
+
+    assert check("1") == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sb_titan:")]
+    assert lines == [
+        "sb_titan: checkpoint error: checkpoint step 4 was saved on world 2 (DP 2, PP 1, CP 1, "
+        "TP 1), 1 micro-batch(es) per DP rank, global batch 4; this run has world 1 (DP 1, "
+        "PP 1, CP 1, TP 1), 1 micro-batch(es) per DP rank, global batch 2; resume it on the "
+        "layout it was saved on"
+    ]
+    assert check("1", "--checkpoint.reshard") == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.reshard: resuming on another layout is not yet supported" in err
+    assert check("2") == 0
+
+
+@pytest.mark.torchrun
+def test_ranks_refuse_another_layout_too(trained, tmp_path):
+    """A launch that skips run_train.sh's check (a bare torchrun, TorchTitan's launcher):
+    the rank refuses before DCP loads anything, in one line, recorded as not retryable."""
+    dump = _resume_copy(trained, tmp_path)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    entry = _entry(dump, "--training.steps", "6")
+    proc = _run([*launcher, "--nproc_per_node=1", "-m", "sb_titan.tools.train", *entry])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in out.splitlines() if line.startswith("sb_titan: checkpoint error:")]
+    assert len(lines) == 1, out[-4000:]
+    assert "checkpoint step 4 was saved on world 2 (DP 2, PP 1, CP 1, TP 1)" in lines[0]
+    assert "this run has world 1 (DP 1, PP 1, CP 1, TP 1)" in lines[0]
+    assert "Loading the checkpoint" not in out and "Training starts" not in out
+    fatal = json.loads((dump / "fatal_error.json").read_text())  # a restart stops at once
+    assert "was saved on world 2" in fatal["cause"]
+
+
+@pytest.mark.torchrun
+def test_export_reads_the_checkpoints_own_config(trained, tmp_path):
+    from sb_titan.eval.checkpoint import load_from_hf
+    from sb_titan.tools.export import main as export_main
+
+    out = tmp_path / "hf"
+    export_main(["--checkpoint", str(trained / "checkpoint"), "--out", str(out)])
+    exported = load_from_hf(out).model.state_dict()
+    direct = load_from_config(trained / "checkpoint" / "step-4", DEBUG_TOML).model.state_dict()
+    assert exported.keys() == direct.keys()
+    assert all((exported[k] == direct[k]).all() for k in direct)
+    # A --config the checkpoint was not trained with is refused, naming the keys.
+    other = tmp_path / "other.toml"
+    other.write_text(DEBUG_TOML.read_text().replace("[model]\n", "[model]\nrope_theta = 50000.0\n"))
+    argv = ["--checkpoint", str(trained / "checkpoint"), "--config", str(other)]
+    with pytest.raises(SystemExit) as exit_:
+        export_main([*argv, "--out", str(tmp_path / "no")])
+    step4 = trained / "checkpoint" / "step-4"
+    assert str(exit_.value.code) == (
+        f"sb-export: error: --config {other} disagrees with the config checkpoint {step4} was "
+        "trained with (run_record.json) on model.rope_theta = 50000.0 (checkpoint: None); "
+        "leave out --config to use the checkpoint's own"
+    )
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.torchrun
+def test_plan_reads_the_checkpoints_config_and_world_size(trained, capsys):
+    from sb_titan.tools.plan import main as plan_main
+
+    args = ["--data", "synthetic", "--checkpoint", str(trained), "--steps", "2", "--docs", "200"]
+    assert plan_main([*args, "--policy", "sequential"]) == 0
+    assert "shape: seq_len=512 dp=2 microbatches=1 rows=2; 2 steps" in capsys.readouterr().out
+    assert plan_main([*args, "--config", str(DEBUG_TOML)]) == 2  # seq_len 1024 there
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sb-plan: error: --config ") and "\n" not in err
+    assert "on training.seq_len = 1024 (checkpoint: 512); leave out --config" in err

@@ -1,18 +1,21 @@
-"""`sb-prep --chat`: conversations rendered in ChatML (Qwen2.5's chat format) with a loss
-mask on the assistant turns; the loader turns the mask into IGNORE_INDEX labels, which
-TorchTitan's loss skips. References: the whole rendered string tokenized at once, and
-the targets found from the tokenizer's character offsets."""
+"""`sb-prep --chat`: conversations rendered with the tokenizer's own chat template and a
+loss mask on the answers; the loader turns the mask into IGNORE_INDEX labels, which
+TorchTitan's loss skips. References: transformers' `apply_chat_template` (text and
+ids) for the real Qwen2.5-Instruct, Qwen3 and Llama 3.2 templates
+(tests/fixtures/chat_templates), and each family's answers written out by hand."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_qwen_tokenizer
+from conftest import REPO
 
 from sb_titan.balance.sab import MicroBatchPlan, Piece
+from sb_titan.data.chat import load_chat_template
 from sb_titan.data.indexed import IndexedDataset
 from sb_titan.data.loader import IGNORE_INDEX, pack_microbatch
 from sb_titan.data.tokenizer import load_tokenizer
@@ -31,26 +34,118 @@ CHATS = [
         {"role": "assistant", "content": " done"},
     ],
 ]
+TEMPLATES = REPO / "tests" / "fixtures" / "chat_templates"
+QWEN = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
+# family: (template, special tokens, added non-special tokens, tokenizer_config keys,
+#          end of turn, the answers of CHATS[1] as the model generates them)
+FAMILIES = {
+    "qwen2.5": (
+        "qwen2_5_instruct.jinja",
+        QWEN,
+        [],
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None},
+        "<|im_end|>",
+        ["Hi! How can I help?<|im_end|>", " done<|im_end|>"],
+    ),
+    "qwen3": (
+        "qwen3_4b_2507.jinja",
+        QWEN,
+        ["<think>", "</think>"],
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None},
+        "<|im_end|>",
+        # the last answer is generated after the prompt's "<think>\n" (an empty thought)
+        ["Hi! How can I help?<|im_end|>", "\n</think>\n\n done<|im_end|>"],
+    ),
+    "llama3": (
+        "llama3_2_instruct.jinja",
+        [*LLAMA, "<|eot_id|>"],
+        [],
+        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
+        "<|eot_id|>",
+        ["Hi! How can I help?<|eot_id|>", "done<|eot_id|>"],  # the template trims content
+    ),
+}
 
 
-def render(messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """ChatML text and the character spans that are targets (assistant content + its
-    <|im_end|>), written out independently of sb_titan/data/chat.py."""
-    text, spans = "", []
-    for m in messages:
-        text += f"<|im_start|>{m['role']}\n"
-        start = len(text)
-        text += m["content"] + "<|im_end|>"
+def chat_tokenizer(path: Path, family: str, vocab_size: int = 400) -> Path:
+    """A tiny byte-level BPE with the family's special tokens, and a tokenizer_config.json
+    holding its real chat template. `PreTrainedTokenizerFast`: transformers reads the
+    tiny tokenizer.json as it is (a Qwen2Tokenizer class would rebuild Qwen's own)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    template, specials, added, config, _, _ = FAMILIES[family]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(m["content"] for c in CHATS for m in c) * 20], trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        **config,
+        "chat_template": (TEMPLATES / template).read_text(),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def reference(path: Path, chat: list[dict], end_of_turn: str) -> tuple[str, list, list]:
+    """transformers' text and ids, and the mask: tokens starting between where the text
+    leaves the prompt for each answer and the end of the family's end-of-turn token."""
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    text = hf.apply_chat_template(chat, tokenize=False)
+    ids = hf.apply_chat_template(chat, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    spans = []
+    for i, m in enumerate(chat):
         if m["role"] == "assistant":
-            spans.append((start, len(text)))
-        text += "\n"
-    return text, spans
+            prompt = hf.apply_chat_template(chat[:i], tokenize=False, add_generation_prompt=True)
+            start = len(os.path.commonprefix([text, prompt]))
+            spans.append((start, text.index(end_of_turn, start) + len(end_of_turn)))
+    offsets = hf(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    mask = [any(a <= s < b for a, b in spans) for s, _ in offsets]
+    return text, list(ids), mask
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chat_template_matches_transformers(tmp_path, family):
+    path = chat_tokenizer(tmp_path / family, family)
+    tok = load_tokenizer(path)
+    template = load_chat_template(path, tok)
+    *_, end_of_turn, answers = FAMILIES[family]
+    for chat in CHATS:
+        text, ids, mask = reference(path, chat, end_of_turn)
+        assert template.render(chat) == text
+        got_ids, got_mask = template.encode(tok, chat)
+        assert got_ids.tolist() == ids
+        assert got_mask.tolist() == mask
+    # The answers of CHATS[1], each a run of target tokens, as written out above.
+    ids, mask = template.encode(tok, CHATS[1])
+    runs, run = [], []
+    for i, m in zip(ids.tolist(), mask.tolist(), strict=True):
+        if m:
+            run.append(i)
+        elif run:
+            runs, run = [*runs, run], []
+    runs += [run] if run else []
+    assert [tok.decode(r, skip_special_tokens=False) for r in runs] == answers
+    if family == "qwen2.5":  # the Instruct template's default system prompt is kept
+        assert "You are Qwen, created by Alibaba Cloud." in template.render(CHATS[1])
 
 
 @pytest.fixture()
 def qwen(tmp_path) -> Path:
-    corpus = " ".join(m["content"] for chat in CHATS for m in chat) * 20
-    return tiny_qwen_tokenizer(tmp_path / "qwen", text=corpus)
+    return chat_tokenizer(tmp_path / "qwen", "qwen2.5")
 
 
 def test_chat_tokens_mask_and_labels(tmp_path, qwen):
@@ -62,18 +157,16 @@ def test_chat_tokens_mask_and_labels(tmp_path, qwen):
     argv = ["--input", str(data), "--out", str(out), "--tokenizer", str(qwen), "--chat", "--eos"]
     assert main([*argv, "--quiet"]) == 0
     tok = load_tokenizer(qwen)
-    eos = tok.token_to_id("<|endoftext|>")
+    eos = tok.token_to_id("<|im_end|>")  # the Instruct tokenizer_config's eos_token
     ds = IndexedDataset(out)
     for i, chat in enumerate(CHATS):
-        text, spans = render(chat)
-        enc = tok.encode(text, add_special_tokens=False)
-        want_mask = [any(a <= s and e <= b for a, b in spans) for s, e in enc.offsets]
+        _, want_ids, want_mask = reference(qwen, chat, "<|im_end|>")
         n = int(ds.lengths[i])
-        assert ds.read(i, 0, n).tolist() == [*enc.ids, eos]
+        assert ds.read(i, 0, n).tolist() == [*want_ids, eos]
         assert ds.loss_mask(i, 0, n).tolist() == [*want_mask, False]
         assert sum(want_mask) >= 6  # the answers and their <|im_end|>
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["loss_mask"] == "loss_mask.bin" and meta["chat_template"] == "chatml"
+    assert meta["loss_mask"] == "loss_mask.bin" and meta["chat_template"] == "tokenizer"
     assert meta["text_field"] == "messages"
 
     # The loader: a label is the next token where that token is a target, else ignored;
@@ -121,9 +214,9 @@ def test_chat_malformed_and_refused_inputs(tmp_path, qwen, capsys):
     assert main(["--input", str(plain), "--out", str(tmp_path / "p"), "--quiet"]) == 0
     assert IndexedDataset(tmp_path / "p").loss_mask(0, 0, 1) is None
     assert not (tmp_path / "p" / "loss_mask.bin").exists()
-    # The shipped tokenizer has no ChatML tokens; a .txt file holds no conversation.
+    # The shipped tokenizer has no chat template; a .txt file holds no conversation.
     assert main([*base[:2], "--chat", "--out", str(tmp_path / "b"), "--quiet"]) == 1
-    assert "--chat renders ChatML (Qwen2.5's chat format) and needs <|im_start|> and " in (
+    assert "tokenizer_config.json: no chat_template (nor chat_template.jinja): --chat " in (
         capsys.readouterr().err
     )
     (tmp_path / "a.txt").write_text("text")

@@ -7,7 +7,7 @@ latency profile (present, parseable, matching), the step shape for the launch's 
 size, the model's tokenizer folder, the dataset's files and their consistency, that its
 token ids fit the model's vocabulary and come from the model's tokenizer (its
 index.npy against its checksums; tokens.bin is verified chunk by chunk as ranks read
-it), and the checkpoint a resume would load.
+it), and the checkpoint a resume would load (intact, and saved on this launch's layout).
 """
 
 from __future__ import annotations
@@ -24,17 +24,19 @@ from sb_titan.data.source import check_tokenizer, check_vocabulary, integrity_no
 
 def preflight(config: Any, path: str | Path | None) -> None:
     """Raise ConfigError, naming the config file, on the first problem found."""
-    from sb_titan.balance.step_shape import check_context_parallel, step_shape
+    from sb_titan.balance.step_shape import check_context_parallel
     from sb_titan.data.loader import build_source
     from sb_titan.runtime.checkpoint import check_checkpoint_folder
+    from sb_titan.runtime.run_record import layout_of
     from sb_titan.runtime.trainer import build_run_cost_model
 
     where = str(path or "<defaults>")
     model = checked_model_spec(config, path).model  # [model], an HF load's config.json
+    layout = None  # unknown for an elastic world size (NNODES=min:max): the ranks check
     try:
         world = os.environ.get("WORLD_SIZE")
         if world is not None:
-            step_shape(config, int(world))  # checks context parallelism too
+            layout = layout_of(config, int(world))  # the step shape; checks CP too
         elif config.parallelism.context_parallel_degree > 1:
             check_context_parallel(config)
         build_run_cost_model(config, model)
@@ -47,7 +49,8 @@ def preflight(config: Any, path: str | Path | None) -> None:
     notes.append(integrity_note(source))
     for note in filter(None, notes):
         logger.warning(note)
-    check_checkpoint_folder(config)  # raises CheckpointIntegrityError, naming file and step
+    # raises CheckpointIntegrityError naming file and step, or both layouts
+    check_checkpoint_folder(config, layout)
 
 
 def check_assets(hf_assets_path: str) -> None:

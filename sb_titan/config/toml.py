@@ -48,6 +48,21 @@ def load_config(path: str | Path | None, cli_args: list[str] | None = None):
         data = read_toml(path)
         apply_table(config, data, str(path), prefix="")
     config = _apply_cli(config, cli_args or [])
+    return _finish(config, path)
+
+
+def config_from_table(table: dict[str, Any], where: str):
+    """A config from nested tables (a run record's, runtime/run_record.py), checked as a
+    TOML file's would be; `where` names their file in errors."""
+    from sb_titan.config.defaults import sb_titan_base
+
+    config = sb_titan_base()
+    apply_table(config, table, where, prefix="")
+    return _finish(config, where)
+
+
+def _finish(config, path: str | Path | None):
+    """The checks of a whole config."""
     check_run_length(config, path)
     check_compile(config, path)
     check_loss_chunks(config, path)

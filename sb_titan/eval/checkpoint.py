@@ -1,4 +1,5 @@
-"""Load a trained model for evaluation: a DCP checkpoint (+ its TOML) or an HF directory.
+"""Load a trained model for evaluation: a DCP checkpoint (its config from its run record,
+or a TOML that agrees with it) or an HF directory.
 
 A TorchTitan DCP checkpoint stores the model's parameters under their own names at the
 top level (next to optimizer / dataloader / train_state entries when it is a full
@@ -83,14 +84,21 @@ def load_dcp_into(model: nn.Module, checkpoint: str | Path) -> Path:
 
 def load_from_config(
     checkpoint: str | Path | None,
-    config_path: str | Path,
+    config_path: str | Path | None = None,
     attention: str | None = None,
     cli_args: list[str] | None = None,
 ) -> LoadedModel:
-    """The model a TOML config trains, with weights from `checkpoint` (random if None)."""
+    """The model a config trains, with weights from `checkpoint` (random if None). The
+    config: the checkpoint's own run record's, or `config_path` (+ `cli_args`), which
+    must then agree with the record (config/recorded.py)."""
+    from sb_titan.config.recorded import checkpoint_config
     from sb_titan.config.toml import ConfigError, load_config
 
-    config = load_config(config_path, cli_args)
+    if checkpoint is None:
+        config = load_config(config_path, cli_args)
+    else:
+        checkpoint = resolve_checkpoint(checkpoint)
+        config = checkpoint_config(checkpoint, config_path, cli_args)
     attn = _attention(config.sparse_attention, attention)
     flavor = config.model.flavor
     try:

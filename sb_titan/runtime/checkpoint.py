@@ -31,9 +31,11 @@ from typing import Any
 
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint import CheckpointException
 from torchtitan.tools.logging import logger
 
 from sb_titan.compat.checkpoint import CheckpointHooks
+from sb_titan.runtime.run_record import Layout, layout_mismatch, read_record, write_record
 from sb_titan.util.files import write_atomic
 
 MANIFEST = "sb_integrity.json"
@@ -46,6 +48,11 @@ _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 class CheckpointIntegrityError(RuntimeError):
     """A checkpoint that must not be loaded; the message is one line naming file and step."""
+
+
+class CheckpointLayoutError(CheckpointIntegrityError):
+    """A checkpoint saved on another layout (runtime/run_record.py): its data-loader
+    state is per DP rank, and its step size is the global batch it was saved with."""
 
 
 # -- files and checksums ---------------------------------------------------------------------
@@ -316,6 +323,43 @@ def _check_one(step_dir: Path, allow_unverified: bool, check) -> str | None:
     return None
 
 
+def check_layout(step_dir: Path, current: Layout | None, reshard: bool) -> None:
+    """A resume finds the layout its checkpoint was saved on (its run record's). Step 0,
+    a seed checkpoint that TorchTitan loads model-only, fits any layout; so does a
+    checkpoint without a record (saved before runs kept one)."""
+    m = _STEP_DIR.fullmatch(step_dir.name)
+    if current is None or (m is not None and int(m.group(1)) == 0):
+        return
+    try:
+        record = read_record(step_dir)
+    except ValueError as e:
+        raise CheckpointIntegrityError(f"{_where(step_dir)}: {e}") from None
+    mismatch = None if record is None else layout_mismatch(record, current, _where(step_dir))
+    if mismatch is None:
+        return
+    if reshard:
+        raise CheckpointLayoutError(
+            f"{mismatch}; checkpoint.reshard: resuming on another layout is not yet supported"
+        )
+    raise CheckpointLayoutError(f"{mismatch}; resume it on the layout it was saved on")
+
+
+def load_failure(error: BaseException, checkpoint_id: str) -> Exception:
+    """DCP's CheckpointException (a BaseException: `except Exception` misses it) as one
+    line naming the checkpoint and the first rank's cause. A missing key or a shape that
+    does not fit repeats on every restart (CheckpointIntegrityError, not retried); an
+    I/O error may not (RuntimeError, retried)."""
+    failures = getattr(error, "failures", {}) or {}
+    causes = [exc for exc, _ in failures.values()]
+    rank, (first, _) = next(iter(sorted(failures.items())), (None, (error, None)))
+    lines = str(first).strip().splitlines() or [""]
+    line = f"cannot load checkpoint {checkpoint_id}: {type(first).__name__}: {lines[0]}"
+    line += "" if rank is None else f" (rank {rank})"
+    if causes and not any(isinstance(c, OSError) for c in causes):
+        return CheckpointIntegrityError(line)
+    return RuntimeError(line)
+
+
 # -- TorchTitan's checkpointer, with integrity ---------------------------------------------------
 class IntegrityCheckpointManager(CheckpointHooks):
     """TorchTitan's DCP CheckpointManager + a checksum manifest per save, verified on load."""
@@ -334,12 +378,19 @@ class IntegrityCheckpointManager(CheckpointHooks):
         """`--check-config` (run_train.sh, before torchrun) also checksums the checkpoint
         to be loaded: one extra read of it. Off: sizes only there; the ranks still verify
         checksums before loading."""
+        reshard: bool = False
+        """Resume a checkpoint saved on another layout (world size, parallel degrees,
+        micro-batches, global batch). Not yet supported: with it, a different layout is
+        still refused before ranks spawn, saying so; without it, refused naming both."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self.integrity = config
         self._unfinalized: str | None = None  # async save in flight: step folder
         self._saving: str | None = None  # the save TorchTitan's purge runs inside
+        self.run_record: dict | None = None
+        """The run's record (runtime/run_record.py), set by the trainer: written into every
+        step folder before its manifest, and its layout checked on every resume."""
 
     def save_checkpoint(self, curr_step: int, last_step: bool) -> bool:
         if not self.should_save(curr_step, last_step):
@@ -353,6 +404,8 @@ class IntegrityCheckpointManager(CheckpointHooks):
             saved = self.stock_save(curr_step, last_step)
         finally:
             self._saving = None
+        if saved and self.run_record is not None and _rank_world()[0] == 0:
+            write_record(step_dir, self.run_record)  # before the manifest, which lists it
         if saved and self.save_future is None:
             finalize(step_dir)
         elif saved:
@@ -387,19 +440,27 @@ class IntegrityCheckpointManager(CheckpointHooks):
             )
             if warning:
                 logger.warning(warning)
+            if step != -1 and self.run_record is not None:
+                current = Layout(**self.run_record["layout"])
+                check_layout(folder / f"step-{step}", current, self.integrity.reshard)
         if step == -1 and self.initial_load_path and not self.initial_load_in_hf:
             path = Path(self.initial_load_path)
             if (path / MANIFEST).exists():
                 verify_everywhere(path)
             else:
                 logger.warning(f"{path} has no {MANIFEST}: loading it unverified")
-        return self.stock_load(step)
+        try:
+            return self.stock_load(step)
+        except CheckpointException as e:
+            where = self.checkpoint_dir(step) if step != -1 else self.initial_load_path
+            raise load_failure(e, str(where)) from None
 
 
-def check_checkpoint_folder(config) -> None:
+def check_checkpoint_folder(config, layout: Layout | None = None) -> None:
     """Before ranks spawn: the checkpoint the run would resume from is readable and
-    verifies (sizes; checksums too with checkpoint.verify_before_launch). Raises
-    CheckpointIntegrityError with one line naming the file and step."""
+    verifies (sizes; checksums too with checkpoint.verify_before_launch), and was saved
+    on `layout` (if known). Raises CheckpointIntegrityError with one line naming the
+    file and step."""
     ck = config.checkpoint
     if not ck.enable or ck.create_seed_checkpoint:
         return
@@ -416,6 +477,7 @@ def check_checkpoint_folder(config) -> None:
             check=check,
         )
         if step != -1:
+            check_layout(folder / f"step-{step}", layout, ck.reshard)
             return
     elif ck.load_step != -1:
         raise CheckpointIntegrityError(

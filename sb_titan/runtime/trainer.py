@@ -67,6 +67,7 @@ from sb_titan.runtime.measurements import (
     decode_measurements,
     encode_measurements,
 )
+from sb_titan.runtime.run_record import make_record, write_record
 from sb_titan.runtime.schedule import with_microbatch_schedules
 from sb_titan.runtime.tensorboard import add_run_tensorboard
 from sb_titan.runtime.verify import assert_same_everywhere, plan_digest
@@ -107,8 +108,12 @@ class SBTrainer(Trainer):
         )
         planning = loader_planning(config, self.snapshots)
         self._microbatches = planning.microbatches_per_step  # sizes the measurement gather
+        record = make_record(config, int(os.environ.get("WORLD_SIZE", "1")))  # as resolved
         with _as_torchtitan_builds(config, self.model_spec, planning) as tensorboard:
             super().__init__(config)
+        self.checkpointer.run_record = record  # into every step folder; checked on resume
+        if dist.get_rank() == 0:
+            write_record(config.dump_folder, record)
         self._first_step: int | None = None
         self._tensorboard = None
         if tensorboard:

@@ -1,12 +1,12 @@
 """`sb-eval`: accuracy of a trained checkpoint (or an HF directory).
 
-    sb-eval longbench --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+    sb-eval longbench --checkpoint outputs/run/checkpoint \\
         --data longbench/data --tasks hotpotqa,trec [--attention sparse --budget 0.9] \\
         [--max-length 31500] [--out eval/longbench]
     sb-eval longbench --hf exported/qwen --data longbench/data
-    sb-eval retrieval --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+    sb-eval retrieval --checkpoint outputs/run/checkpoint \\
         --lengths 1k,2k,4k --depths 0,0.25,0.5,0.75,1 [--trials 8] [--out eval/retrieval]
-    sb-eval ruler --checkpoint outputs/run/checkpoint --config train_configs/debug_cpu.toml \\
+    sb-eval ruler --checkpoint outputs/run/checkpoint \\
         [--tasks all|niah_single_1,...] [--lengths 1k,2k,4k] [--samples 20] [--seed 42] \\
         [--haystack essays.txt] [--template corpus|ruler] [--out eval/ruler]
     sb-eval ruler --hf exported/qwen --lengths 4k,8k,16k,32k
@@ -30,7 +30,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="DCP step-N dir, or a checkpoint/dump folder")
     src.add_argument("--hf", help="a Hugging Face Qwen2 directory (e.g. from sb-export)")
-    p.add_argument("--config", help="TOML the checkpoint was trained with (with --checkpoint)")
+    p.add_argument(
+        "--config", help="TOML the checkpoint was trained with (default: its own run record)"
+    )
     p.add_argument("--attention", choices=("dense", "sparse"), default=None)
     p.add_argument("--budget", type=float, default=None, help="sparse prefill budget in (0, 1]")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -41,6 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _load(args: argparse.Namespace):
     import torch  # here, once the command's own checks passed: they answer at once
 
+    from sb_titan.config.toml import ConfigError
     from sb_titan.eval.checkpoint import load_from_config, load_from_hf
 
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -48,9 +51,10 @@ def _load(args: argparse.Namespace):
         torch.set_num_threads(threads)
 
     if args.checkpoint is not None:
-        if args.config is None:
-            sys.exit("sb-eval: --checkpoint needs --config (the TOML it was trained with)")
-        loaded = load_from_config(args.checkpoint, args.config, args.attention)
+        try:
+            loaded = load_from_config(args.checkpoint, args.config, args.attention)
+        except ConfigError as e:
+            sys.exit(f"sb-eval: error: {e}")
     else:
         loaded = load_from_hf(args.hf, args.attention)
     loaded.model.to(args.device)

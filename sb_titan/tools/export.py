@@ -1,7 +1,9 @@
 """`sb-export`: a trained DCP checkpoint -> a Hugging Face Qwen2.5 directory.
 
-    sb-export --checkpoint outputs/debug_cpu/checkpoint --config train_configs/debug_cpu.toml \\
-        --out exported/debug
+    sb-export --checkpoint outputs/debug_cpu/checkpoint --out exported/debug
+
+The checkpoint's own config (its run record) gives the model's shape; `--config X.toml`
+is accepted if it agrees with it, and is needed for a checkpoint saved without one.
 
 Writes model.safetensors (names through Qwen25StateDictAdapter.to_hf), a transformers
 Qwen2Config config.json, generation_config.json and the tokenizer files, so that
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -114,14 +117,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--checkpoint", required=True, help="DCP step-N dir, or a checkpoint/dump folder"
     )
-    parser.add_argument("--config", required=True, help="the TOML the checkpoint was trained with")
+    parser.add_argument(
+        "--config", help="TOML the checkpoint was trained with (default: its own run record)"
+    )
     parser.add_argument("--out", required=True, help="output Hugging Face directory")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     args = parser.parse_args(argv)
 
+    from sb_titan.config.toml import ConfigError
     from sb_titan.eval.checkpoint import load_from_config
 
-    loaded = load_from_config(args.checkpoint, args.config, attention="dense")
+    try:
+        loaded = load_from_config(args.checkpoint, args.config, attention="dense")
+    except ConfigError as e:
+        sys.exit(f"sb-export: error: {e}")
     out = Path(args.out)
     export_folder(loaded, out, args.dtype)
     n = sum(p.numel() for p in loaded.model.parameters())

@@ -25,6 +25,7 @@ from sb_titan.data.longtail import longtail_v1
 if TYPE_CHECKING:  # step_shape imports torch: the work needs it, --help does not
     from sb_titan.balance.step_shape import StepShape
 
+DEFAULT_WORLD = 8
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
 
 
@@ -76,13 +77,28 @@ def load_lengths(data: str, seq_len: int, docs: int, seed: int) -> tuple[np.ndar
     return ds.lengths, ds.name
 
 
-def shape_from_config(path: Path, world_size: int) -> tuple[StepShape, SABConfig, dict]:
-    """The shape the trainer would give the loader, from a TOML train config."""
+def shape_from_config(
+    path: Path | None, world_size: int | None, checkpoint: Path | None = None
+) -> tuple[StepShape, SABConfig, dict]:
+    """The shape the trainer would give the loader, from a TOML train config or a
+    checkpoint's own (its run record, on the world size it was saved with unless
+    `world_size` says otherwise; a `path` given too must agree with it)."""
     from sb_titan.balance.step_shape import step_shape
     from sb_titan.config.toml import load_config
 
-    config = load_config(path)
-    shape = step_shape(config, world_size)
+    if checkpoint is None:
+        config = load_config(path)
+    else:
+        from sb_titan.config.recorded import SHAPE_KEYS, checkpoint_config
+        from sb_titan.eval.checkpoint import resolve_checkpoint
+        from sb_titan.runtime.run_record import read_record
+
+        step_dir = resolve_checkpoint(checkpoint)
+        config = checkpoint_config(step_dir, path, keys=SHAPE_KEYS)
+        record = read_record(step_dir)
+        if world_size is None and record is not None:
+            world_size = record["layout"]["world"]
+    shape = step_shape(config, world_size or DEFAULT_WORLD)
     loader = config.dataloader
     synthetic = {"docs": loader.synthetic_docs, "seed": loader.synthetic_seed}
     return shape, config.sab, synthetic
@@ -106,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sb-plan", description=__doc__.splitlines()[0])
     ap.add_argument("--data", required=True, help="an sb-prep directory, or 'synthetic'")
     ap.add_argument("--config", type=Path, help="TOML train config (shape and [sab])")
-    ap.add_argument("--world-size", type=int, default=8, help="ranks, with --config (default 8)")
+    ap.add_argument(
+        "--checkpoint", type=Path, help="a checkpoint: its own config and world size (run record)"
+    )
+    ap.add_argument("--world-size", type=int, help="ranks (default: the checkpoint's, else 8)")
     ap.add_argument("--policy", default="all", choices=[*POLICIES, "all"])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", type=Path, metavar="OUT", help="also write the results here")
@@ -128,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     from sb_titan.balance.step_shape import StepShape
 
     shape, sab, synthetic = StepShape(65536, 8, 8, 1), SABConfig(), {"docs": 20000, "seed": 0}
-    if args.config is not None:
+    if args.config is not None or args.checkpoint is not None:
         try:
-            shape, sab, synthetic = shape_from_config(args.config, args.world_size)
-        except ValueError as e:  # ConfigError included: one line naming the file and key
+            shape, sab, synthetic = shape_from_config(args.config, args.world_size, args.checkpoint)
+        except (ValueError, FileNotFoundError) as e:  # ConfigError: one line naming file, key
             print(f"sb-plan: error: {e}", file=sys.stderr)
             return 2
     shape = StepShape(

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from sb_titan.data.chat import IM_END, IM_START, chatml_ids, render_chatml
+from sb_titan.data.chat import ChatTemplate, ChatTemplateError, load_chat_template
 from sb_titan.data.checksums import CHUNK_BYTES, ChecksumError
 from sb_titan.data.indexed import (
     META,
@@ -135,8 +135,16 @@ class _Encoder:
     """Turns records into samples in input order: text in parallel batches, token ids
     (Megatron) as they are, each with the BOS / EOS the dataset uses."""
 
-    def __init__(self, writer: IndexedWriter, tok: Tokenizer, sp: Specials, report: PrepReport):
+    def __init__(
+        self,
+        writer: IndexedWriter,
+        tok: Tokenizer,
+        sp: Specials,
+        report: PrepReport,
+        chat: ChatTemplate | None = None,
+    ):
         self.writer, self.tok, self.sp, self.report = writer, tok, sp, report
+        self.chat = chat
         self.batch: list[str] = []
 
     def add(self, rec: Record, chat: bool = False) -> None:
@@ -148,8 +156,11 @@ class _Encoder:
         self.flush()
         sp = self.sp
         if chat:  # the conversation's own mask; BOS and EOS are context
-            ids, mask = render_chatml(self.tok, rec.value)
-            head = [] if sp.bos is None else [sp.bos]
+            try:
+                ids, mask = self.chat.encode(self.tok, rec.value)
+            except ChatTemplateError as e:
+                raise PrepError(f"{rec.where}: {e}") from None
+            head = [sp.bos] if sp.bos is not None and ids[:1].tolist() != [sp.bos] else []
             tail = [] if sp.eos is None else [sp.eos]
         else:  # Megatron: keep a BOS / end-of-document id the document already has
             ids, mask = rec.ids, None
@@ -203,8 +214,8 @@ def prep(
 
     `tokenizer_path` None is the shipped tokenizer, except for Megatron inputs: their ids
     mean nothing without the tokenizer that made them, so it must be named. `chat`:
-    records are conversations (field `text_field`, default "messages"), rendered in
-    ChatML with a loss mask on the assistant turns (sb_titan/data/chat.py).
+    records are conversations (field `text_field`, default "messages"), rendered with
+    the tokenizer's chat template, a loss mask on the answers (sb_titan/data/chat.py).
     More than `max_malformed` of a file's records (or of all records) malformed means
     the input is not what the flags say (a wrong --text-field, another format): that
     stops the run instead of writing a dataset of the few that parsed."""
@@ -214,18 +225,17 @@ def prep(
         raise PrepError(f"{out}: already holds a dataset (pass --overwrite to replace it)")
     tok = load_tokenizer(tokenizer_path)
     sp = resolve_specials(tok, tokenizer_path, eos)
-    if chat and chatml_ids(tok) is None:
-        raise PrepError(
-            f"{tokenizer_path / 'tokenizer.json'}: --chat renders ChatML (Qwen2.5's chat "
-            f"format) and needs {IM_START} and {IM_END} in the vocabulary"
-        )
+    try:
+        template = load_chat_template(tokenizer_path, tok) if chat else None
+    except ChatTemplateError as e:
+        raise PrepError(str(e)) from None
     field_name = text_field or ("messages" if chat else "text")
     opts = PrepOptions(field_name, chat, strict, max_malformed, hf or HFOptions())
     report = PrepReport()
     bar = Progress(sum(i.nbytes for i in items), progress)
     writer = IndexedWriter(out, loss_mask=chat, checksum_chunk_bytes=checksum_chunk_bytes)
     (out / "malformed.txt").unlink(missing_ok=True)  # from a replaced dataset
-    encoder = _Encoder(writer, tok, sp, report)
+    encoder = _Encoder(writer, tok, sp, report, template)
     try:
         for inp in items:
             if inp.kind == "parquet" and not have_pyarrow():
@@ -343,7 +353,7 @@ def _meta(
             "eos": sp.eos_name if sp.eos is not None else None,
         },
         "text_field": opts.text_field,
-        **({"chat_template": "chatml"} if opts.chat else {}),
+        **({"chat_template": "tokenizer"} if opts.chat else {}),
         "malformed": len(report.malformed),
         "sources": report.sources,
     }
@@ -394,8 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--chat",
         action="store_true",
-        help="records are conversations (lists of {role, content}): rendered in ChatML, the "
-        "loss only on assistant turns (supervised fine-tuning)",
+        help="records are conversations (lists of {role, content}): rendered with the "
+        "tokenizer's own chat template, the loss only on the answers (supervised fine-tuning)",
     )
     ap.add_argument(
         "--hf-dataset",
