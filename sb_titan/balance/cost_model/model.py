@@ -250,15 +250,28 @@ class CostModel:
         """Realised density of a document of `length` tokens at budget beta."""
         return float(self.densities(beta, np.array([length]), policy)[0])
 
-    def densities(self, beta: float, lengths: np.ndarray, policy: str) -> np.ndarray:
-        """Realised density of documents of `lengths` tokens at budget beta."""
+    def densities(self, beta: float | np.ndarray, lengths: np.ndarray, policy: str) -> np.ndarray:
+        """Realised density of documents of `lengths` tokens at budget beta (one, or one
+        per document)."""
         check_policy(policy)
         lengths = np.asarray(lengths, dtype=np.float64)
+        beta = np.broadcast_to(np.asarray(beta, dtype=np.float64), lengths.shape)
         if policy == "topk":
-            rho = np.full(lengths.shape, float(beta))
+            rho = beta.copy()
         else:
-            rho = self.density_model.predict(float(beta), lengths)
+            rho = self.density_model.predict(beta, lengths)
         return np.minimum(1.0, np.maximum(rho, forced_density(lengths, self.block_size)))
+
+    def document_seconds(
+        self, lengths: np.ndarray, beta: float | np.ndarray, policy: str
+    ) -> np.ndarray:
+        """Attention seconds of each document of `lengths` tokens at its own budget
+        (beta: one, or one per document): what a budget per document prices. A
+        micro-batch's seconds are these summed plus its token-linear rest, which no
+        budget moves."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        rho = self.densities(beta, lengths, policy)
+        return self.attn_scale * self._attn_at(self._attn_rows(lengths), rho)
 
     def predict_units(
         self, units: Sequence[Unit], beta: float | Sequence[float], policy: str
