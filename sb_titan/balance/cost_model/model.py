@@ -251,27 +251,17 @@ class CostModel:
         return float(self.densities(beta, np.array([length]), policy)[0])
 
     def densities(self, beta: float | np.ndarray, lengths: np.ndarray, policy: str) -> np.ndarray:
-        """Realised density of documents of `lengths` tokens at budget beta (one, or one
-        per document)."""
+        """Realised density of documents of `lengths` tokens at budget beta (or one each)."""
         check_policy(policy)
         lengths = np.asarray(lengths, dtype=np.float64)
         beta = np.broadcast_to(np.asarray(beta, dtype=np.float64), lengths.shape)
-        if policy == "topk":
-            rho = beta.copy()
-        else:
-            rho = self.density_model.predict(beta, lengths)
+        rho = beta if policy == "topk" else self.density_model.predict(beta, lengths)
         return np.minimum(1.0, np.maximum(rho, forced_density(lengths, self.block_size)))
 
-    def document_seconds(
-        self, lengths: np.ndarray, beta: float | np.ndarray, policy: str
-    ) -> np.ndarray:
-        """Attention seconds of each document of `lengths` tokens at its own budget
-        (beta: one, or one per document): what a budget per document prices. A
-        micro-batch's seconds are these summed plus its token-linear rest, which no
-        budget moves."""
-        lengths = np.asarray(lengths, dtype=np.float64)
+    def document_seconds(self, lengths: np.ndarray, beta, policy: str) -> np.ndarray:
+        """Attention seconds of each document at its budget (one, or one per document)."""
         rho = self.densities(beta, lengths, policy)
-        return self.attn_scale * self._attn_at(self._attn_rows(lengths), rho)
+        return self.attn_scale * self._attn_at(self._attn_rows(np.asarray(lengths, float)), rho)
 
     def predict_units(
         self, units: Sequence[Unit], beta: float | Sequence[float], policy: str
