@@ -9,10 +9,11 @@ import pytest
 import torch
 from test_sparse_attention import make_doc_id, make_qkv
 
-from sb_titan.attention.layout import block_budgets
+from sb_titan.attention.layout import AttnMeta, block_budgets
 from sb_titan.attention.selection import select_blocks
 from sb_titan.attention.sparse import sparse_attention
 from sb_titan.context_parallel.split import block_pairs_at, layer_block_costs, predicted_block_pairs
+from sb_titan.models.qwen2_5.attention import SBAttention
 
 torch.set_num_threads(1)
 
@@ -135,3 +136,20 @@ def test_block_costs_price_each_block_at_its_own_budget():
     assert np.array_equal(costs, allowed + 3 * got)
     with pytest.raises(ValueError, match="per query block"):
         block_pairs_at(allowed, budget[:, :4], density_at, BS)
+
+
+def test_compiled_attention_takes_new_budgets_and_layouts_without_recompiling():
+    """[B, NB] whatever the documents: a compiled layer runs a new layout with mixed
+    budgets on the graph a row-wide budget compiled, and matches eager on it."""
+    doc_id, q, k, v = _inputs()
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, L, H, D]
+    layer = SBAttention(SBAttention.Config(policy="topk", block_size=BS, scorer="mean"))
+    compiled = torch.compile(layer, fullgraph=True)
+    row_wide = AttnMeta(doc_id, block_budgets(doc_id, [[0.5]] * 2, BS))
+    compiled(q, k, v, attention_masks=row_wide, enable_gqa=True)
+    other = make_doc_id([[512], [64] * 8])
+    mixed = AttnMeta(other, block_budgets(other, [[0.4], [0.2, 1.0, 0.6] * 3], BS))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        out = compiled(q, k, v, attention_masks=mixed, enable_gqa=True)
+    eager = layer(q, k, v, attention_masks=mixed, enable_gqa=True)
+    torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
