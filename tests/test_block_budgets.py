@@ -7,13 +7,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_cost_model import make_profile
 from test_sparse_attention import make_doc_id, make_qkv
 
 from sb_titan.attention.layout import AttnMeta, block_budgets
 from sb_titan.attention.selection import select_blocks
 from sb_titan.attention.sparse import sparse_attention
-from sb_titan.context_parallel.split import block_pairs_at, layer_block_costs, predicted_block_pairs
+from sb_titan.balance.cost_model import CostModel
+from sb_titan.context_parallel.split import (
+    allowed_blocks,
+    block_pairs_at,
+    imbalance,
+    layer_block_costs,
+    predicted_block_pairs,
+    rank_loads,
+)
 from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.runtime.cp_split import CPSplitter
 
 torch.set_num_threads(1)
 
@@ -136,6 +146,30 @@ def test_block_costs_price_each_block_at_its_own_budget():
     assert np.array_equal(costs, allowed + 3 * got)
     with pytest.raises(ValueError, match="per query block"):
         block_pairs_at(allowed, budget[:, :4], density_at, BS)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cp_split_prices_each_block_at_its_documents_budget(policy):
+    """The trainer's CP split with documents at different betas: its predicted
+    imbalance is that of the blocks priced at their own document's beta by the cost
+    model (reference: the row priced at each beta, each block from its own)."""
+    model = CostModel(make_profile(block_size=BS))
+    model.density_model.update([(0.3, 1024, 0.15), (0.9, 2048, 0.7)] * 3)
+    lens = [[1500, 300, 2000, 296], [4096]]
+    doc_id = make_doc_id(lens)
+    betas = [[0.3, 0.9, 0.6, 0.9], [0.45]]
+    split, predicted = CPSplitter(4, BS, policy, False, 3, 1)(model, doc_id, betas)
+    allowed = allowed_blocks(doc_id, BS)
+    per_block = block_budgets(doc_id, betas, BS, torch.float64).numpy()
+    sparse = np.zeros_like(allowed, dtype=np.float64)
+    for beta in {b for row in betas for b in row}:
+        price = predicted_block_pairs(allowed, lambda n, b=beta: model.densities(b, n, policy), BS)
+        sparse = np.where(per_block == beta, price, sparse)
+    cost = allowed + 3 * sparse
+    want = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
+    assert predicted == want
+    row_wide = CPSplitter(4, BS, policy, False, 3, 1)(model, doc_id, [[0.3], [0.45]])[1]
+    assert predicted != row_wide  # the documents' own budgets moved the pricing
 
 
 def test_compiled_attention_takes_new_budgets_and_layouts_without_recompiling():

@@ -49,10 +49,14 @@ def doc_ids_from_lengths(rows: list[list[int]], seq_len: int) -> torch.Tensor:
 
 
 def block_budgets(
-    doc_id: torch.Tensor, doc_budgets: Sequence[Sequence[float]], block_size: int
+    doc_id: torch.Tensor,
+    doc_budgets: Sequence[Sequence[float]],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """[B, NB] float32 on doc_id's device: each query block takes the beta of the
-    document of its first token, the document whose sink it attends from.
+    """[B, NB] on doc_id's device: each query block takes the beta of the document of
+    its first token, the document whose sink it attends from (float32: what selection
+    reads; float64 keeps the betas exact for pricing).
 
     doc_budgets[b][d] is row b's document d's beta (`[[beta]] * B`: a row-wide beta).
     Documents past a row's list (padding: every pad token is its own document) take the
@@ -63,7 +67,7 @@ def block_budgets(
         raise ValueError(f"need a non-empty list of document budgets for each of {B} rows")
     width = max(len(row) for row in doc_budgets)
     table = torch.tensor(
-        [[*row, *[row[-1]] * (width - len(row))] for row in doc_budgets], dtype=torch.float32
+        [[*row, *[row[-1]] * (width - len(row))] for row in doc_budgets], dtype=dtype
     ).to(doc_id.device)
     first = doc_id[:, ::block_size].long().clamp(max=width - 1)  # [B, NB]
     return table.gather(1, first)

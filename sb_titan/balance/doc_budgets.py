@@ -204,7 +204,10 @@ def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[
         gain, dt = v[b] - v[a], t[b] - t[a]
         if gain <= 0:
             break
-        out.append((a, b, math.inf if dt == 0 else gain / dt))
+        slope = math.inf if dt == 0 else gain / dt
+        # never above the step before, whatever the division rounds: a document's steps
+        # must come out of the sort in hull order
+        out.append((a, b, min(slope, out[-1][2]) if out else slope))
     return out
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from sb_titan.attention.layout import block_budgets
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.context_parallel.split import (
     CPSplit,
@@ -46,15 +48,19 @@ class CPSplitter:
         )  # fmt: skip
 
     def __call__(
-        self, cost_model: CostModel | None, doc_id: torch.Tensor, budget: torch.Tensor
+        self,
+        cost_model: CostModel | None,
+        doc_id: torch.Tensor,
+        doc_budgets: Sequence[Sequence[float]],
     ) -> tuple[CPSplit, float]:
-        """(the split of the rows doc_id [B, L] (full rows) at `budget` [B, NB] (each
-        query block's, AttnMeta.budget), its predicted CP-rank imbalance: max / mean
-        kept pairs, mean over rows). The cost model is refit identically on every rank,
-        so all CP ranks (and all PP stages, which must pass the same shards along) cut
-        the same split."""
+        """(the split of the rows doc_id [B, L] (full rows) with doc_budgets[b][d] the
+        beta of row b's document d (layout.block_budgets: each query block is priced at
+        its own), its predicted CP-rank imbalance: max / mean kept pairs, mean over
+        rows). The cost model is refit identically on every rank, so all CP ranks (and
+        all PP stages, which must pass the same shards along) cut the same split."""
         bs = self.block_size
         doc_id = doc_id.cpu()  # the split is host work: one copy, not one per use
+        budget = block_budgets(doc_id, doc_budgets, bs, torch.float64).numpy()
         density_at = None
         if self.sparse_layers:
             if cost_model is not None:
@@ -63,7 +69,7 @@ class CPSplitter:
                 density_at = _as_dense
         allowed = allowed_blocks(doc_id, bs)
         cost = layer_block_costs(
-            allowed, budget.cpu().numpy(), density_at, bs, self.sparse_layers, self.dense_layers
+            allowed, budget, density_at, bs, self.sparse_layers, self.dense_layers
         )
         if self.headtail:
             split = zigzag_split(doc_id.shape[0], doc_id.shape[1], self.degree, bs)

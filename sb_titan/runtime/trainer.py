@@ -170,12 +170,13 @@ class SBTrainer(Trainer):
             inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
         doc_id = doc_ids_from_positions(positions)  # of the full row, before any sharding
+        doc_budgets = [[budget]] * doc_id.shape[0]  # row-wide: DST decides per micro-batch
         bs = self.config.sparse_attention.block_size
-        block_budget = block_budgets(doc_id, [[budget]] * doc_id.shape[0], bs)  # row-wide
+        block_budget = block_budgets(doc_id, doc_budgets, bs)
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
             split, self._cp_predicted[mb_index] = self._cp_split(
-                self.cost_model, doc_id, block_budget
+                self.cost_model, doc_id, doc_budgets
             )
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
