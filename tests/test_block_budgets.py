@@ -177,6 +177,7 @@ def test_compiled_attention_takes_new_budgets_and_layouts_without_recompiling():
     budgets on the graph a row-wide budget compiled, and matches eager on it."""
     doc_id, q, k, v = _inputs()
     q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, L, H, D]
+    torch.compiler.reset()  # no graphs of other shapes from earlier tests in this process
     layer = SBAttention(SBAttention.Config(policy="topk", block_size=BS, scorer="mean"))
     compiled = torch.compile(layer, fullgraph=True)
     row_wide = AttnMeta(doc_id, block_budgets(doc_id, [[0.5]] * 2, BS))
