@@ -53,7 +53,9 @@ def test_block_budgets_take_the_first_tokens_document():
             assert got[b, i] == torch.tensor(want, dtype=torch.float32), (b, i)
     # the shape is the block count, however many padding documents a row has
     padded = make_doc_id([[64] + [1] * 448, [512]])
-    assert block_budgets(padded, [[0.5], [0.7]], BS).shape == (2, 8)
+    assert torch.equal(
+        block_budgets(padded, [[0.5], [0.7]], BS), torch.tensor([[0.5] * 8, [0.7] * 8])
+    )
     with pytest.raises(ValueError, match="document budgets for each of 2 rows"):
         block_budgets(doc_id, [[0.5]], BS)
 
