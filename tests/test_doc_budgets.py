@@ -159,6 +159,8 @@ def test_one_token_documents_weigh_nothing_and_bad_input_is_refused():
     docs = [_doc(1, 1.0), _doc(2048, 1.0)]
     got = allocate(docs, 1.0, CFG)  # time for everything: only the real document rises
     assert got.betas.tolist() == [0.2, 1.0]
+    empty = allocate([], 0.0, CFG)
+    assert empty.betas.size == 0 and empty.met and empty.seconds == 0.0
     with pytest.raises(ValueError, match="values must not decrease"):
         BudgetCurve((0.2, 0.5), (0.9, 0.8))
     with pytest.raises(ValueError, match="recall must lie in"):
