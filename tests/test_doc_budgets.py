@@ -19,12 +19,12 @@ GRID = (0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
 CFG = DocBudgetConfig(grid=GRID, beta_min=0.2, beta_max=1.0, long_tokens=10**9)
 
 
-def _doc(length: int, sensitivity: float, overhead_s: float = 0.0) -> DocCurves:
+def _doc(length: int, sensitivity: float) -> DocCurves:
     """Attention seconds ~ length^2 x density (topk: density = beta, plus the forced
     blocks); true recall 1 - (1 - beta)^sensitivity: concave, a flatter curve the more
     a document's attention concentrates in few blocks."""
     betas = np.linspace(0.05, 1.0, 20)
-    seconds = overhead_s + 1e-9 * length**2 * (0.05 + 0.95 * betas)
+    seconds = 1e-9 * length**2 * (0.05 + 0.95 * betas)
     recall = 1.0 - (1.0 - betas) ** sensitivity
     return DocCurves(
         length, BudgetCurve(tuple(betas), tuple(seconds)), BudgetCurve(tuple(betas), tuple(recall))
