@@ -62,7 +62,7 @@ def block_budgets(
     Documents past a row's list (padding: every pad token is its own document) take the
     row's last beta: a padding block keeps its diagonal only whatever its beta, and the
     shape stays [B, NB] however many padding documents a row has."""
-    B, L = doc_id.shape
+    B = doc_id.shape[0]
     if len(doc_budgets) != B or any(len(row) == 0 for row in doc_budgets):
         raise ValueError(f"need a non-empty list of document budgets for each of {B} rows")
     width = max(len(row) for row in doc_budgets)
