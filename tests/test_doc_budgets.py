@@ -116,6 +116,40 @@ def test_beats_an_equal_split_and_stays_within_one_step_of_brute_force():
     assert got.betas[0] < got.betas[2]
 
 
+def test_exchange_takes_the_step_the_sweep_left_out():
+    """B's steps pay more per second and fill the time; A's one big step then no longer
+    fits. Giving back B's cheaper step makes room for it: the optimum, which neither the
+    sweep (B at 1.0) nor one budget for both (0.4) finds."""
+    grid = (0.2, 0.4, 1.0)
+    cfg = DocBudgetConfig(grid=grid, beta_min=0.2, long_tokens=10**9)
+    a = DocCurves(1000, BudgetCurve(grid, (1.0, 1.0, 11.0)), BudgetCurve(grid, (0.0, 0.0, 1.0)))
+    b = DocCurves(1000, BudgetCurve(grid, (1.0, 2.0, 3.0)), BudgetCurve(grid, (0.0, 0.6, 1.0)))
+    got = allocate([a, b], 13.0, cfg)
+    best, best_betas = _brute_force([a, b], 13.0, cfg)
+    assert got.betas.tolist() == best_betas.tolist() == [1.0, 0.4]
+    assert got.recall == pytest.approx(best) == pytest.approx(0.8)
+
+
+def test_random_micro_batches_against_brute_force():
+    """Feasible, never above brute force and never below an equal split, on random
+    micro-batches with repeated documents (whose steps are taken together) and recall
+    curves convex in beta as well as concave."""
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        docs = [
+            _doc(int(n), float(s))
+            for n, s in zip(rng.integers(256, 8192, 3), rng.uniform(0.5, 6, 3), strict=True)
+        ]
+        docs += [docs[int(rng.integers(3))]] * 2
+        grid, t, r, w = _tables(docs, CFG)
+        for target in rng.uniform(t[:, 0].sum(), t[:, -1].sum(), 4):
+            got = allocate(docs, float(target), CFG)
+            spent = math.fsum(d.seconds.at(b) for d, b in zip(docs, got.betas, strict=True))
+            best, _ = _brute_force(docs, float(target), CFG)
+            assert spent <= target and got.recall <= best + 1e-12
+            assert got.recall >= _equal_split(docs, float(target), CFG)[0] - 1e-12
+
+
 def test_long_document_floor_holds():
     tight = float(_tables(BATCH, CFG)[1][:, 0].sum()) * 1.05
     free = allocate(BATCH, tight, CFG)

@@ -25,13 +25,18 @@ are taken together or not at all, so documents equal in every input keep equal b
 and the result does not depend on document order. A step that does not fit stops its
 document there, and cheaper steps of other documents still fill the remaining time. At
 a breakpoint the allocation is optimal for its own time (Everett); between breakpoints
-it falls short of the optimum by at most one hull step. Times are summed exactly
+it falls short by at most the group the sweep had to leave out (the LP bound). Two
+repairs follow: the exchange (take that group, giving back the cheapest steps taken
+before it) and the best single budget for all (micro-batch DST's own answer); the
+allocation is the best of the three, so it never does worse than an equal split, even
+where a tie of many documents makes the left-out group large. Times are summed exactly
 (floats as integers) and the sum rounded once, so the target holds as math.fsum sees
 it, whatever the order the steps were taken in, on every rank alike.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,11 +150,32 @@ def allocate(docs: Sequence[DocCurves], target_s: float, cfg: DocBudgetConfig) -
         )
     pos = lo.copy()
     exact = _ExactSeconds(seconds)
-    used = sum(exact.ints[d][k] for d, k in enumerate(pos.tolist()))
-    if exact.fits(used, target_s):
-        value = weight[:, None] * recall
-        _climb(pos, used, target_s, exact, seconds.tolist(), value.tolist(), hi)
+    if exact.fits(exact.total(pos), target_s):
+        value = (weight[:, None] * recall).tolist()
+        _climb(pos, exact.total(pos), target_s, exact, seconds.tolist(), value, hi)
+        uniform = _uniform(lo, hi, exact, target_s)
+        if _value(value, uniform) > _value(value, pos):
+            pos = uniform
     return _result(grid, pos, seconds, recall, weight, target_s)
+
+
+def _uniform(lo: np.ndarray, hi: int, exact: _ExactSeconds, target_s: float) -> np.ndarray:
+    """The largest single budget (each document at least its floor) that fits:
+    micro-batch DST's answer, which the allocation never falls below. Ties of many
+    documents, taken together, can leave the sweep far short of it."""
+    for k in range(hi, int(lo.min(initial=hi)) - 1, -1):
+        pos = np.maximum(lo, k)
+        if exact.fits(exact.total(pos), target_s):
+            return pos
+    return lo
+
+
+def _value(value: list[list[float]], pos: np.ndarray) -> float:
+    return math.fsum(value[d][k] for d, k in enumerate(pos.tolist()))
+
+
+Step = tuple[int, int, int, int, float]
+"""A hull step: (document, from, to grid index, its exact seconds, its value gain)."""
 
 
 def _climb(
@@ -161,29 +187,81 @@ def _climb(
     value: list[list[float]],
     hi: int,
 ) -> None:
-    """Take hull steps in falling slope while they fit (in place on `pos`); `used`:
-    the documents' seconds at `pos`, exactly."""
-    steps = [
-        (slope, d, b, exact.ints[d][b] - exact.ints[d][a])
-        for d in range(len(pos))
-        for a, b, slope in _hull_steps(seconds[d], value[d], int(pos[d]), hi)
-    ]
-    steps.sort(key=lambda step: -step[0])  # stable: equal slopes keep document order
-    blocked: set[int] = set()
-    start = 0
-    while start < len(steps):
-        end = start + 1
-        while end < len(steps) and steps[end][0] == steps[start][0]:
-            end += 1
-        group = [step for step in steps[start:end] if step[1] not in blocked]
+    """The sweep, or the exchange around its first miss where that keeps more value
+    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly."""
+    steps = sorted(
+        (
+            (slope, (d, a, b, exact.ints[d][b] - exact.ints[d][a], value[d][b] - value[d][a]))
+            for d in range(len(pos))
+            for a, b, slope in _hull_steps(seconds[d], value[d], int(pos[d]), hi)
+        ),
+        key=lambda item: -item[0],
+    )  # stable: equal slopes keep document order
+    groups = [[step for _, step in run] for _, run in itertools.groupby(steps, lambda x: x[0])]
+    taken, missed = _sweep(groups, 0, used, target_s, exact, set())
+    if missed is not None:
+        other = _exchange(groups, missed, used, target_s, exact)
+        if other is not None and _gain(other) > _gain(taken):
+            taken = other
+    for d, _, b, _, _ in taken:  # in slope order, so each document ends at its last step
+        pos[d] = b
+
+
+def _sweep(
+    groups: list[list[Step]],
+    start: int,
+    used: int,
+    target_s: float,
+    exact: _ExactSeconds,
+    blocked: set[int],
+) -> tuple[list[Step], int | None]:
+    """(steps taken from groups[start:] in order while they fit, the first group that
+    did not fit). A group is taken whole or not at all; one that does not fit stops its
+    documents, and cheaper steps of others may still fill the time."""
+    taken: list[Step] = []
+    missed = None
+    for g in range(start, len(groups)):
+        group = [step for step in groups[g] if step[0] not in blocked]
+        if not group:
+            continue
         cost = sum(step[3] for step in group)
         if exact.fits(used + cost, target_s):
             used += cost
-            for _, d, b, _ in group:
-                pos[d] = b
-        else:  # these documents stop here; cheaper steps of others may still fit
-            blocked.update(step[1] for step in group)
-        start = end
+            taken += group
+        else:
+            blocked.update(step[0] for step in group)
+            missed = g if missed is None else missed
+    return taken, missed
+
+
+def _exchange(
+    groups: list[list[Step]], missed: int, used: int, target_s: float, exact: _ExactSeconds
+) -> list[Step] | None:
+    """Take the first group that did not fit, giving back the cheapest groups taken
+    before it (lowest slope first, none of its documents) until it fits, then sweep on:
+    the knapsack's classic repair of the one large step the sweep had to leave out."""
+    kept = list(range(missed + 1))
+    used += sum(step[3] for g in kept for step in groups[g])
+    keep = {step[0] for step in groups[missed]}  # documents whose steps must stay
+    dropped: set[int] = set()
+    for g in reversed(range(missed)):
+        if exact.fits(used, target_s):
+            break
+        docs = {step[0] for step in groups[g]}
+        if keep.isdisjoint(docs):  # each is its document's last step: safe to give back
+            used -= sum(step[3] for step in groups[g])
+            dropped |= docs
+            kept.remove(g)
+        else:  # kept, so the earlier steps of all its documents stay too
+            keep |= docs
+    if not exact.fits(used, target_s):
+        return None
+    rest, _ = _sweep(groups, missed + 1, used, target_s, exact, dropped)
+    return [step for g in kept for step in groups[g]] + rest
+
+
+def _gain(steps: list[Step]) -> float:
+    return math.fsum(step[4] for step in steps)
 
 
 def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[int, int, float]]:
@@ -224,6 +302,10 @@ class _ExactSeconds:
             [m << (e - self.shift) for m, e in zip(row_m, row_e, strict=True)]
             for row_m, row_e in zip(digits.tolist(), exponent.tolist(), strict=True)
         ]
+
+    def total(self, pos: np.ndarray) -> int:
+        """The documents' seconds at grid indices `pos`, exactly."""
+        return sum(self.ints[d][k] for d, k in enumerate(pos.tolist()))
 
     def fits(self, total: int, target_s: float) -> bool:
         """Whether `total` (on this scale), correctly rounded, is within target_s."""
