@@ -1,6 +1,7 @@
 """One rank of the CP attention check (launched by tests/test_context_parallel.py under
 torchrun, gloo): every rank builds the same rows, computes single-process block-sparse
-attention on the whole row as the reference, then its own shard with cp_attention, and
+attention on the whole row as the reference, then its own shard with cp_attention (dense,
+a row-wide budget, and a budget per query block whose documents hold different betas), and
 writes the largest relative errors of out / dq / dk / dv to <out>/rank<r>.json."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sb_titan.attention.layout import doc_ids_from_positions
+from sb_titan.attention.layout import block_budgets, doc_ids_from_positions
 from sb_titan.attention.ops import block_sparse_attention, full_table, select
 from sb_titan.context_parallel.attention import cp_attention
 from sb_titan.context_parallel.split import (
@@ -74,7 +75,10 @@ def main(out_dir: str) -> None:
             "zigzag": zigzag_split(B, L, world, BS),
             "document": document_split(cost, doc_id[:, ::BS].numpy(), world, BS),
         }
-        for budget in (None, torch.tensor([0.5, 0.8])):
+        per_doc = [[(0.3, 0.9, 0.6)[d % 3] for d in range(len(row))] for row in lens]
+        mixed = block_budgets(doc_id, per_doc, BS)
+        budgets = {"dense": None, "sparse": torch.tensor([0.5, 0.8]), "mixed": mixed}
+        for kind, budget in budgets.items():
             ref, ref_density = _reference(q, k, v, doc_id, budget, grad)
             for split_name, split in splits.items():
                 idx = split.token_index(rank)
@@ -99,7 +103,7 @@ def main(out_dir: str) -> None:
                     what: _rel(x, r.gather(2, at.expand(B, r.shape[1], idx.shape[1], D)))
                     for what, x, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=True)
                 }
-                key = f"{name}/{'dense' if budget is None else 'sparse'}/{split_name}"
+                key = f"{name}/{kind}/{split_name}"
                 results[key] = errs
                 errs["row_sized_queries_saved"] = sum(shape[1:3] == (HQ, L) for shape in saved)
                 if stats is not None:

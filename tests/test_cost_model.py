@@ -326,6 +326,26 @@ def test_mass_policy_uses_the_learned_density(model):
     assert model.predict_budget([16384], 0.5, "mass") < before
 
 
+@pytest.mark.parametrize("policy", ["topk", "mass"])
+def test_document_seconds_price_each_document_at_its_own_budget(model, policy):
+    """A budget per document: each document's attention at its own beta is the known
+    truth at its density, and at one beta the documents sum to the micro-batch's
+    prediction less its rest."""
+    model.density_model.update([(0.5, 4096, 0.3), (0.8, 16384, 0.6)] * 4)
+    model.attn_scale = 1.5
+    lens, betas = np.array([4096, 16384, 2048]), np.array([0.5, 0.8, 0.35])
+    got = model.document_seconds(lens, betas, policy)
+    for n, beta, sec in zip(lens, betas, got, strict=True):
+        rho = model.density_for_budget(float(beta), int(n), policy)
+        assert sec == pytest.approx(1.5 * attn_formula(n, rho), rel=1e-9)
+    assert np.array_equal(
+        model.densities(betas, lens, policy)[1:2], model.densities(0.8, lens[1:2], policy)
+    )
+    rest = OVERHEAD_S + TOKEN_S * lens.sum()
+    one = model.document_seconds(lens, 0.5, policy).sum() + rest
+    assert one == pytest.approx(model.predict_budget(lens.tolist(), 0.5, policy), rel=1e-12)
+
+
 def _synthetic_observations(rng, attn_scale, rest_scale, n=16):
     obs = []
     for _ in range(n):

@@ -222,7 +222,7 @@ def compare(case: SelCase, device: str) -> dict:
         }
         sweep = {"rows": 0, "mismatches": 0, "unexplained": []}
         for beta in torch.linspace(0.05, 0.95, 19).tolist():
-            budget = torch.full((q.shape[0],), beta, device=device)
+            budget = torch.full(sink.shape, beta, device=device)  # [B, NB]: per query block
             for (start, pt, a), (_, px, _) in zip(chunks["torch"], chunks["triton"], strict=True):
                 picked = {e: _select_chunk(p, a, sink, start, budget, policy)[:2]
                           for e, p in (("torch", pt), ("triton", px))}  # fmt: skip

@@ -7,6 +7,7 @@ pytree, so pipeline schedules split and forward it like any other kwarg).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -14,7 +15,10 @@ import torch
 
 class AttnMeta(NamedTuple):
     doc_id: torch.Tensor  # [B, L] int32: document index of each token within its row
-    budget: torch.Tensor  # [B] float32: attention budget beta of each row
+    budget: torch.Tensor
+    """[B, NB] float32: the attention budget beta of each query block (block_budgets: its
+    first token's document's). One fixed shape whatever the documents, so compiled code
+    does not recompile when a micro-batch's layout changes."""
     microbatch: torch.Tensor | None = None  # 0-d int64 on CPU: index within the step
     stats: torch.Tensor | None = None
     """[STATS_SIZE] float32 (layout: selection.STATS_FIELDS) the sparse layers add their
@@ -42,6 +46,31 @@ def doc_ids_from_lengths(rows: list[list[int]], seq_len: int) -> torch.Tensor:
         ids = torch.arange(len(lens)).repeat_interleave(torch.tensor(lens, dtype=torch.int64))
         out[b] = torch.cat([ids, len(lens) + torch.arange(seq_len - len(ids))])
     return out
+
+
+def block_budgets(
+    doc_id: torch.Tensor,
+    doc_budgets: Sequence[Sequence[float]],
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[B, NB] on doc_id's device: each query block takes the beta of the document of
+    its first token, the document whose sink it attends from (float32: what selection
+    reads; float64 keeps the betas exact for pricing).
+
+    doc_budgets[b][d] is row b's document d's beta (`[[beta]] * B`: a row-wide beta).
+    Documents past a row's list (padding: every pad token is its own document) take the
+    row's last beta: a padding block keeps its diagonal only whatever its beta, and the
+    shape stays [B, NB] however many padding documents a row has."""
+    B = doc_id.shape[0]
+    if len(doc_budgets) != B or any(len(row) == 0 for row in doc_budgets):
+        raise ValueError(f"need a non-empty list of document budgets for each of {B} rows")
+    width = max(len(row) for row in doc_budgets)
+    table = torch.tensor(
+        [[*row, *[row[-1]] * (width - len(row))] for row in doc_budgets], dtype=dtype
+    ).to(doc_id.device)
+    first = doc_id[:, ::block_size].long().clamp(max=width - 1)  # [B, NB]
+    return table.gather(1, first)
 
 
 def doc_lens_from_doc_id(doc_id: torch.Tensor) -> list[list[int]]:

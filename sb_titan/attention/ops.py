@@ -106,7 +106,8 @@ def select(
     rows: Tensor | None = None,
     scorer: str = "mean",
 ) -> tuple[BlockTable, AttnStats]:
-    """`selection.select_blocks` as one graph node (not differentiated)."""
+    """`selection.select_blocks` as one graph node (not differentiated). budget: [B, NB]
+    per query block, or a row-wide [B] or scalar."""
     budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
     if budget.dim() == 0:
         budget = budget.expand(q.shape[0])

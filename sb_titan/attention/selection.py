@@ -4,9 +4,11 @@ Per (row b, kv head h, query block i) the allowed key blocks are [sink(i), i]. B
 policies rank them the same way: the forced blocks (sink and diagonal) first, then by
 descending estimated mass, ties to the lower block id. `topk` keeps a prefix of length
 max(ceil(beta * n_allowed), n_forced); `mass` keeps the shortest prefix (at least the
-forced blocks) whose mass reaches beta. Query blocks are processed `chunk_blocks` at a
-time, so the budget can change every micro-batch without recompilation and peak extra
-memory stays O(chunk * NB).
+forced blocks) whose mass reaches beta. beta is per query block ([B, NB]: each takes
+its document's, attention/layout.block_budgets), so documents of one row can hold
+different budgets; a row-wide beta is the case of equal entries. Query blocks are
+processed `chunk_blocks` at a time, so the budget can change every micro-batch without
+recompilation and peak extra memory stays O(chunk * NB).
 
 The table (`BlockTable`) is the contract with the kernels: two CSR matrices over the
 kept block pairs, so every table is linear in the pairs it keeps (4 bytes per pair and
@@ -210,7 +212,7 @@ def _validate(
     policy: str,
     block_size: int,
 ) -> torch.Tensor:
-    """Check arguments; return the budget as a float32 [B] tensor on q's device."""
+    """Check arguments; return the budget as a float32 [B, NB] tensor on q's device."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; expected one of {POLICIES}")
     if block_size not in BLOCK_SIZES:
@@ -226,11 +228,17 @@ def _validate(
         raise ValueError(f"doc_id must be [B, L] = {(B, L)}, got {tuple(doc_id.shape)}")
     if L > 1 and bool((doc_id[:, 1:] < doc_id[:, :-1]).any()):
         raise ValueError("doc_id must be non-decreasing along each row (contiguous documents)")
+    nb = num_blocks(L, block_size)
     budget = torch.as_tensor(budget, dtype=torch.float32, device=q.device)
     if budget.dim() == 0:
         budget = budget.expand(B)
-    if budget.shape != (B,):
-        raise ValueError(f"budget must be a scalar or [B] = [{B}], got {tuple(budget.shape)}")
+    if budget.shape == (B,):  # a row-wide beta: every query block of the row takes it
+        budget = budget[:, None].expand(B, nb)
+    if budget.shape != (B, nb):
+        raise ValueError(
+            f"budget must be a scalar or [B] = [{B}] (row-wide), or per query block "
+            f"[B, NB] = [{B}, {nb}], got {tuple(budget.shape)}"
+        )
     if not bool(((budget > 0) & (budget <= 1)).all()):
         raise ValueError(f"budget must lie in (0, 1], got {budget.tolist()}")
     return budget
@@ -260,7 +268,7 @@ def _select_chunk(
     sorted_prob = torch.gather(prob, -1, order)
     n_allowed = (i - sink_i + 1)[:, None]  # [B, 1, n]
     n_forced = 1 + (sink_i != i).long()[:, None]
-    beta = budget[:, None, None]
+    beta = budget[:, None, start : start + n]  # [B, 1, n]: each query block its own
     rank = torch.arange(nb, device=dev)
     if policy == "topk":
         want = torch.ceil(beta.double() * n_allowed * (1.0 - TOPK_SLACK)).long()
@@ -296,7 +304,9 @@ def select_blocks(
     """Estimate block mass and keep blocks per (row, kv head, query block) under budget.
 
     q: [B, Hq, L, D]; k: [B, Hkv, L, D]; doc_id: [B, L] non-decreasing per row;
-    budget: [B] (or a scalar) in (0, 1]. Not differentiated (runs under no_grad).
+    budget: [B, NB] in (0, 1], each query block's own (layout.block_budgets); a scalar
+    or [B] is a row-wide beta, the same as that value in every block. Not differentiated
+    (runs under no_grad).
     estimator: "torch" (PyTorch) or "triton" (the kernels: CUDA, or TRITON_INTERPRET=1);
     same masses up to fp32 rounding, so tables differ only at near-ties (docs/kernels.md).
     rows: [B, NB] bool, the query blocks this caller attends (a context-parallel shard);

@@ -33,7 +33,8 @@ def sparse_attention(
     scorer: str = "mean",
     true_recall_rate: float = 0.0,
 ) -> tuple[torch.Tensor, AttnStats]:
-    """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]; budget: [B] in (0, 1].
+    """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]; budget in (0, 1]: [B, NB]
+    per query block (layout.block_budgets), or a row-wide [B] or scalar.
 
     Returns (out [B, Hq, L, D], AttnStats with per-row density and estimated recall,
     and, when true_recall_rate > 0, true recall and top-key hits of sampled queries).

@@ -32,7 +32,9 @@ import torch
 from sb_titan.attention.estimator import num_blocks, sink_blocks
 
 DensityFn = Callable[[np.ndarray], np.ndarray]
-"""Predicted density of documents of the given lengths (tokens) at the row's budget."""
+"""Predicted density of documents of the given lengths (tokens) at one budget."""
+DensityAt = Callable[[float], DensityFn]
+"""A budget -> the DensityFn at that budget."""
 
 
 class CPSplit(NamedTuple):
@@ -163,20 +165,41 @@ def predicted_block_pairs(allowed: np.ndarray, density: DensityFn, block_size: i
     return np.maximum(kept(n) - kept(n - 1), 1.0)  # the diagonal is always computed
 
 
+def block_pairs_at(
+    allowed: np.ndarray, budget: np.ndarray, density_at: DensityAt, block_size: int
+) -> np.ndarray:
+    """[B, NB] `predicted_block_pairs` of each query block at its own budget [B, NB]
+    (the beta selection gives it): priced once per distinct budget, over the blocks that
+    hold it. A block's price depends only on its own allowed count, so a row-wide budget
+    gives exactly the one-budget prices."""
+    allowed = np.asarray(allowed, dtype=np.float64)
+    budget = np.asarray(budget, dtype=np.float64)
+    if budget.shape != allowed.shape:
+        raise ValueError(f"budget {budget.shape} must be per query block {allowed.shape}")
+    out = np.empty_like(allowed)
+    for beta in np.unique(budget):
+        at = budget == beta
+        out[at] = predicted_block_pairs(allowed[at], density_at(float(beta)), block_size)
+    return out
+
+
 def layer_block_costs(
     allowed: np.ndarray,
-    density: DensityFn | None,
+    budget: np.ndarray,
+    density_at: DensityAt | None,
     block_size: int,
     sparse_layers: int,
     dense_layers: int,
 ) -> np.ndarray:
     """[B, NB] predicted kept pairs per query block over the model's layers: dense
-    layers keep every allowed block, sparse ones `predicted_block_pairs`."""
+    layers keep every allowed block, sparse ones `predicted_block_pairs` at the block's
+    budget ([B, NB])."""
     cost = dense_layers * np.asarray(allowed, dtype=np.float64)
     if sparse_layers:
-        if density is None:
+        if density_at is None:
             raise ValueError("sparse layers need a density prediction to price their blocks")
-        cost = cost + sparse_layers * predicted_block_pairs(allowed, density, block_size)
+        pairs = block_pairs_at(allowed, budget, density_at, block_size)
+        cost = cost + sparse_layers * pairs
     return cost
 
 

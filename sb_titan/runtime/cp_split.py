@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from torchtitan.models.qwen3.model import Qwen3Model
 
+from sb_titan.attention.layout import block_budgets
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.context_parallel.split import (
     CPSplit,
@@ -46,22 +48,29 @@ class CPSplitter:
         )  # fmt: skip
 
     def __call__(
-        self, cost_model: CostModel | None, doc_id: torch.Tensor, budget: float
+        self,
+        cost_model: CostModel | None,
+        doc_id: torch.Tensor,
+        doc_budgets: Sequence[Sequence[float]],
     ) -> tuple[CPSplit, float]:
-        """(the split of the rows doc_id [B, L] (full rows) at `budget`, its predicted
-        CP-rank imbalance: max / mean kept pairs, mean over rows). The cost model is
-        refit identically on every rank, so all CP ranks (and all PP stages, which must
-        pass the same shards along) cut the same split."""
+        """(the split of the rows doc_id [B, L] (full rows) with doc_budgets[b][d] the
+        beta of row b's document d (layout.block_budgets: each query block is priced at
+        its own), its predicted CP-rank imbalance: max / mean kept pairs, mean over
+        rows). The cost model is refit identically on every rank, so all CP ranks (and
+        all PP stages, which must pass the same shards along) cut the same split."""
         bs = self.block_size
         doc_id = doc_id.cpu()  # the split is host work: one copy, not one per use
-        density = None
+        budget = block_budgets(doc_id, doc_budgets, bs, torch.float64).numpy()
+        density_at = None
         if self.sparse_layers:
             if cost_model is not None:
-                density = functools.partial(cost_model.densities, budget, policy=self.policy)
-            else:  # no cost model: price sparse blocks as dense ones (causal work)
-                density = functools.partial(np.full_like, fill_value=1.0)
+                density_at = functools.partial(_densities, cost_model, self.policy)
+            else:
+                density_at = _as_dense
         allowed = allowed_blocks(doc_id, bs)
-        cost = layer_block_costs(allowed, density, bs, self.sparse_layers, self.dense_layers)
+        cost = layer_block_costs(
+            allowed, budget, density_at, bs, self.sparse_layers, self.dense_layers
+        )
         if self.headtail:
             split = zigzag_split(doc_id.shape[0], doc_id.shape[1], self.degree, bs)
         else:
@@ -69,3 +78,13 @@ class CPSplitter:
             split = document_split(cost, documents, self.degree, bs)
         predicted = float(np.mean([imbalance(row) for row in rank_loads(cost, split)]))
         return split, predicted
+
+
+def _densities(cost_model: CostModel, policy: str, beta: float):
+    """lengths -> the cost model's densities at budget beta."""
+    return functools.partial(cost_model.densities, beta, policy=policy)
+
+
+def _as_dense(_beta: float):
+    """No cost model: sparse blocks are priced as dense ones (causal work)."""
+    return functools.partial(np.full_like, fill_value=1.0)

@@ -33,7 +33,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions
+from sb_titan.attention.layout import AttnMeta, block_budgets, doc_ids_from_positions
 from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
@@ -147,17 +147,21 @@ class SBTrainer(Trainer):
             inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
         doc_id = doc_ids_from_positions(positions)  # of the full row, before any sharding
-        row_budget = torch.full((positions.shape[0],), budget, device=positions.device)
+        doc_budgets = [[budget]] * doc_id.shape[0]  # row-wide: DST decides per micro-batch
+        bs = self.config.sparse_attention.block_size
+        block_budget = block_budgets(doc_id, doc_budgets, bs)
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
-            split, self._cp_predicted[mb_index] = self._cp_split(self.cost_model, doc_id, budget)
+            split, self._cp_predicted[mb_index] = self._cp_split(
+                self.cost_model, doc_id, doc_budgets
+            )
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
             extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
             self.ntokens_seen += labels.numel()
         stats = self._mb_stats[mb_index] = positions.new_zeros(STATS_SIZE, dtype=torch.float32)
         mb = torch.tensor(mb_index)
-        extra["attention_masks"] = AttnMeta(doc_id, row_budget, mb, stats, cp_blocks)
+        extra["attention_masks"] = AttnMeta(doc_id, block_budget, mb, stats, cp_blocks)
         return inputs, labels, extra
 
     def _take_step(self, scheduled: ScheduledStep) -> None:

@@ -250,15 +250,18 @@ class CostModel:
         """Realised density of a document of `length` tokens at budget beta."""
         return float(self.densities(beta, np.array([length]), policy)[0])
 
-    def densities(self, beta: float, lengths: np.ndarray, policy: str) -> np.ndarray:
-        """Realised density of documents of `lengths` tokens at budget beta."""
+    def densities(self, beta: float | np.ndarray, lengths: np.ndarray, policy: str) -> np.ndarray:
+        """Realised density of documents of `lengths` tokens at budget beta (or one each)."""
         check_policy(policy)
         lengths = np.asarray(lengths, dtype=np.float64)
-        if policy == "topk":
-            rho = np.full(lengths.shape, float(beta))
-        else:
-            rho = self.density_model.predict(float(beta), lengths)
+        beta = np.broadcast_to(np.asarray(beta, dtype=np.float64), lengths.shape)
+        rho = beta if policy == "topk" else self.density_model.predict(beta, lengths)
         return np.minimum(1.0, np.maximum(rho, forced_density(lengths, self.block_size)))
+
+    def document_seconds(self, lengths: np.ndarray, beta, policy: str) -> np.ndarray:
+        """Attention seconds of each document at its budget (one, or one per document)."""
+        rho = self.densities(beta, lengths, policy)
+        return self.attn_scale * self._attn_at(self._attn_rows(np.asarray(lengths, float)), rho)
 
     def predict_units(
         self, units: Sequence[Unit], beta: float | Sequence[float], policy: str

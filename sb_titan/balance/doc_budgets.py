@@ -1,0 +1,329 @@
+"""Budgets per document within a micro-batch: the most predicted true recall that fits
+a time target.
+
+Micro-batch DST gives every document of a micro-batch one beta. Documents differ in
+what a beta costs (attention time grows with the square of length) and in what it
+loses (how much true attention mass the kept blocks cover, which depends on content
+and length). Given each document's predicted seconds t_d(beta) and true recall
+r_d(beta), `allocate` picks beta_d on a grid to maximise sum_d w_d r_d(beta_d) subject
+to sum_d t_d(beta_d) <= T.
+
+Weights are tokens (w_d = the document's attending tokens: its length, 0 for a
+one-token document). The loss is a mean over tokens, so a token's recall is worth the
+same in any document. Weighting query blocks would count a 40-token document as much
+as a 64-token block of a long one. Over documents longer than a block, the two agree to
+within one block's rounding, which is what the sampled true recall (one query per
+query block) measures.
+
+Solver: the Lagrangian max sum_d w_d r_d - lambda t_d splits into one problem per
+document. As lambda falls from infinity to 0, each document climbs the upper convex
+hull of its points (t_d, w_d r_d), one hull step at each lambda equal to that step's
+slope (marginal recall per marginal second). Sorting every hull step by slope visits
+each breakpoint exactly, where bisection on lambda would only approach it to a
+tolerance. So the steps are taken in falling slope while they fit. Steps of equal slope
+are taken together or not at all, so documents equal in every input keep equal budgets
+and the result does not depend on document order. A step that does not fit stops its
+document there, and cheaper steps of other documents still fill the remaining time. At
+a breakpoint the allocation is optimal for its own time (Everett); between breakpoints
+it falls short by at most the group the sweep had to leave out (the LP bound). Two
+repairs follow: the exchange (take that group, giving back the cheapest steps taken
+before it) and the best single budget for all (micro-batch DST's own answer); the
+allocation is the best of the three, so it never does worse than an equal split, even
+where a tie of many documents makes the left-out group large. Times are summed exactly
+(floats as integers) and the sum rounded once, so the target holds as math.fsum sees
+it, whatever the order the steps were taken in, on every rank alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetCurve:
+    """A non-decreasing prediction over budgets: `values` at the knots `betas`
+    (increasing, in (0, 1]), linear between them, flat outside. It can come from a
+    document's measured history or from its class's curve; it holds seconds or true
+    recall."""
+
+    betas: tuple[float, ...]
+    values: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        b, v = np.asarray(self.betas, dtype=np.float64), np.asarray(self.values, dtype=np.float64)
+        if b.ndim != 1 or b.shape != v.shape or b.size == 0:
+            raise ValueError(
+                f"BudgetCurve: need as many values as knots, got {b.size} and {v.size}"
+            )
+        if not (np.isfinite(b).all() and np.isfinite(v).all()):
+            raise ValueError(f"BudgetCurve: knots and values must be finite, got {self}")
+        if (b <= 0).any() or (b > 1).any() or (np.diff(b) <= 0).any():
+            raise ValueError(f"BudgetCurve: knots must increase within (0, 1], got {self.betas}")
+        if (np.diff(v) < 0).any():
+            raise ValueError(f"BudgetCurve: values must not decrease with beta, got {self.values}")
+
+    def at(self, betas: np.ndarray) -> np.ndarray:
+        """The curve at `betas`."""
+        return np.interp(np.asarray(betas, dtype=np.float64), self.betas, self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class DocCurves:
+    """One document of a micro-batch: its length and its predicted curves."""
+
+    length: int  # tokens
+    seconds: BudgetCurve  # attention seconds (forward + backward) at each budget
+    recall: BudgetCurve  # true recall at each budget, in [0, 1]
+
+    def __post_init__(self) -> None:
+        if self.length < 1:
+            raise ValueError(f"DocCurves: length must be >= 1 token, got {self.length}")
+        if min(self.seconds.values) < 0:
+            raise ValueError(f"DocCurves: seconds must be >= 0, got {self.seconds.values}")
+        if min(self.recall.values) < 0 or max(self.recall.values) > 1:
+            raise ValueError(f"DocCurves: recall must lie in [0, 1], got {self.recall.values}")
+
+
+@dataclass(frozen=True, slots=True)
+class DocBudgetConfig:
+    """Bounds of the per-document budgets."""
+
+    grid: tuple[float, ...] = tuple(k / 20 for k in range(2, 21))
+    """The budgets the allocator chooses from (increasing, in (0, 1])."""
+    beta_min: float = 0.1
+    beta_max: float = 1.0
+    long_tokens: int = 16384
+    """Documents of at least this many tokens are long and get at least `long_floor`.
+    Recall per second favours starving exactly the long-range documents that long
+    context training is for."""
+    long_floor: float = 0.5
+
+    def __post_init__(self) -> None:
+        BudgetCurve(self.grid, self.grid)  # the same checks on the grid
+        if not 0 < self.beta_min <= self.beta_max <= 1:
+            raise ValueError(
+                f"DocBudgetConfig: need 0 < beta_min <= beta_max <= 1, got "
+                f"{self.beta_min}, {self.beta_max}"
+            )
+        if self.long_floor > self.beta_max or self.long_tokens < 1:
+            raise ValueError(
+                f"DocBudgetConfig: long_floor ({self.long_floor}) must be <= beta_max "
+                f"({self.beta_max}) and long_tokens ({self.long_tokens}) >= 1"
+            )
+        if not any(self.beta_min <= b <= self.beta_max for b in self.grid):
+            raise ValueError(
+                f"DocBudgetConfig: no grid budget within [{self.beta_min}, {self.beta_max}]"
+            )
+
+
+class DocBudgets(NamedTuple):
+    betas: np.ndarray  # [D] the budget of each document
+    seconds: float  # predicted sum of the documents' seconds (correctly rounded)
+    recall: float  # predicted token-weighted mean true recall
+    met: bool  # seconds <= target (False: even the lowest allowed budgets miss it)
+
+
+def allocate(docs: Sequence[DocCurves], target_s: float, cfg: DocBudgetConfig) -> DocBudgets:
+    """Per-document budgets on `cfg.grid` with the most predicted token-weighted true
+    recall whose predicted seconds sum to at most `target_s` (see the module docstring).
+    A pure function of its arguments: every rank that holds them decides the same."""
+    if not math.isfinite(target_s) or target_s < 0:
+        raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
+    grid = np.asarray(cfg.grid, dtype=np.float64)
+    seconds = np.stack([d.seconds.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
+    recall = np.stack([d.recall.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
+    weight = np.array([d.length if d.length >= 2 else 0 for d in docs], dtype=np.float64)
+    long = np.array([d.length >= cfg.long_tokens for d in docs], dtype=bool)
+    lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
+    lo = np.searchsorted(grid, lowest, side="left")  # first grid budget >= the bound
+    hi = int(np.searchsorted(grid, cfg.beta_max, side="right")) - 1
+    if (lo > hi).any():
+        raise ValueError(
+            f"allocate: no grid budget in [{float(lowest[np.argmax(lo > hi)])}, "
+            f"{cfg.beta_max}] (grid {cfg.grid})"
+        )
+    pos = lo.copy()
+    exact = _ExactSeconds(seconds)
+    if exact.fits(exact.total(pos), target_s):
+        value = (weight[:, None] * recall).tolist()
+        _climb(pos, exact.total(pos), target_s, exact, seconds.tolist(), value, hi)
+        uniform = _uniform(lo, hi, exact, target_s)
+        if _value(value, uniform) > _value(value, pos):
+            pos = uniform
+    return _result(grid, pos, seconds, recall, weight, target_s)
+
+
+def _uniform(lo: np.ndarray, hi: int, exact: _ExactSeconds, target_s: float) -> np.ndarray:
+    """The largest single budget (each document at least its floor) that fits:
+    micro-batch DST's answer, which the allocation never falls below. Ties of many
+    documents, taken together, can leave the sweep far short of it."""
+    for k in range(hi, int(lo.min(initial=hi)) - 1, -1):
+        pos = np.maximum(lo, k)
+        if exact.fits(exact.total(pos), target_s):
+            return pos
+    return lo
+
+
+def _value(value: list[list[float]], pos: np.ndarray) -> float:
+    return math.fsum(value[d][k] for d, k in enumerate(pos.tolist()))
+
+
+Step = tuple[int, int, int, int, float]
+"""A hull step: (document, from, to grid index, its exact seconds, its value gain)."""
+
+
+def _climb(
+    pos: np.ndarray,
+    used: int,
+    target_s: float,
+    exact: _ExactSeconds,
+    seconds: list[list[float]],
+    value: list[list[float]],
+    hi: int,
+) -> None:
+    """The sweep, or the exchange around its first miss where that keeps more value
+    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly."""
+    steps = sorted(
+        (
+            (slope, (d, a, b, exact.ints[d][b] - exact.ints[d][a], value[d][b] - value[d][a]))
+            for d in range(len(pos))
+            for a, b, slope in _hull_steps(seconds[d], value[d], int(pos[d]), hi)
+        ),
+        key=lambda item: -item[0],
+    )  # stable: equal slopes keep document order
+    groups = [[step for _, step in run] for _, run in itertools.groupby(steps, lambda x: x[0])]
+    taken, missed = _sweep(groups, 0, used, target_s, exact, set())
+    if missed is not None:
+        other = _exchange(groups, missed, used, target_s, exact)
+        if other is not None and _gain(other) > _gain(taken):
+            taken = other
+    for d, _, b, _, _ in taken:  # in slope order, so each document ends at its last step
+        pos[d] = b
+
+
+def _sweep(
+    groups: list[list[Step]],
+    start: int,
+    used: int,
+    target_s: float,
+    exact: _ExactSeconds,
+    blocked: set[int],
+) -> tuple[list[Step], int | None]:
+    """(steps taken from groups[start:] in order while they fit, the first group that
+    did not fit). A group is taken whole or not at all; one that does not fit stops its
+    documents, and cheaper steps of others may still fill the time."""
+    taken: list[Step] = []
+    missed = None
+    for g in range(start, len(groups)):
+        group = [step for step in groups[g] if step[0] not in blocked]
+        if not group:
+            continue
+        cost = sum(step[3] for step in group)
+        if exact.fits(used + cost, target_s):
+            used += cost
+            taken += group
+        else:
+            blocked.update(step[0] for step in group)
+            missed = g if missed is None else missed
+    return taken, missed
+
+
+def _exchange(
+    groups: list[list[Step]], missed: int, used: int, target_s: float, exact: _ExactSeconds
+) -> list[Step] | None:
+    """Take the first group that did not fit, giving back the cheapest groups taken
+    before it (lowest slope first, none of its documents) until it fits, then sweep on:
+    the knapsack's classic repair of the one large step the sweep had to leave out."""
+    kept = list(range(missed + 1))
+    used += sum(step[3] for g in kept for step in groups[g])
+    keep = {step[0] for step in groups[missed]}  # documents whose steps must stay
+    dropped: set[int] = set()
+    for g in reversed(range(missed)):
+        if exact.fits(used, target_s):
+            break
+        docs = {step[0] for step in groups[g]}
+        if keep.isdisjoint(docs):  # each is its document's last step: safe to give back
+            used -= sum(step[3] for step in groups[g])
+            dropped |= docs
+            kept.remove(g)
+        else:  # kept, so the earlier steps of all its documents stay too
+            keep |= docs
+    if not exact.fits(used, target_s):
+        return None
+    rest, _ = _sweep(groups, missed + 1, used, target_s, exact, dropped)
+    return [step for g in kept for step in groups[g]] + rest
+
+
+def _gain(steps: list[Step]) -> float:
+    return math.fsum(step[4] for step in steps)
+
+
+def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[int, int, float]]:
+    """(from, to, slope) of the upper convex hull of the points (t[k], v[k]), k in
+    [lo, hi], starting at lo, while they gain value; slopes strictly fall (a step in no
+    time has slope inf)."""
+    hull = [lo]
+    for k in range(lo + 1, hi + 1):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (t[b] - t[a]) * (v[k] - v[b]) >= (v[b] - v[a]) * (t[k] - t[b]):
+                hull.pop()  # b lies on or below the chord from a to k
+            else:
+                break
+        hull.append(k)
+    out = []
+    for a, b in zip(hull[:-1], hull[1:], strict=True):
+        gain, dt = v[b] - v[a], t[b] - t[a]
+        if gain <= 0:
+            break
+        slope = math.inf if dt == 0 else gain / dt
+        # never above the step before, whatever the division rounds: a document's steps
+        # must come out of the sort in hull order
+        out.append((a, b, min(slope, out[-1][2]) if out else slope))
+    return out
+
+
+class _ExactSeconds:
+    """Seconds [D, K] (>= 0) as exact integers on one common scale 2**shift: sums
+    without rounding, rounded once where they meet the target (as math.fsum would)."""
+
+    def __init__(self, seconds: np.ndarray) -> None:
+        mantissa, exponent = np.frexp(seconds)  # seconds = mantissa * 2**exponent
+        digits = (mantissa * 2.0**53).astype(np.int64)  # exact: 53 significant bits
+        exponent = exponent.astype(np.int64) - 53
+        self.shift = int(exponent.min()) if exponent.size else 0
+        self.ints = [
+            [m << (e - self.shift) for m, e in zip(row_m, row_e, strict=True)]
+            for row_m, row_e in zip(digits.tolist(), exponent.tolist(), strict=True)
+        ]
+
+    def total(self, pos: np.ndarray) -> int:
+        """The documents' seconds at grid indices `pos`, exactly."""
+        return sum(self.ints[d][k] for d, k in enumerate(pos.tolist()))
+
+    def fits(self, total: int, target_s: float) -> bool:
+        """Whether `total` (on this scale), correctly rounded, is within target_s."""
+        if self.shift >= 0:
+            return float(total << self.shift) <= target_s
+        return total / (1 << -self.shift) <= target_s  # int / int rounds correctly
+
+
+def _result(
+    grid: np.ndarray,
+    pos: np.ndarray,
+    seconds: np.ndarray,
+    recall: np.ndarray,
+    weight: np.ndarray,
+    target_s: float,
+) -> DocBudgets:
+    rows = np.arange(len(pos))
+    total_s = math.fsum(seconds[rows, pos].tolist())
+    mass = weight.sum()
+    mean = math.fsum((weight * recall[rows, pos]).tolist()) / mass if mass > 0 else 1.0
+    return DocBudgets(grid[pos], total_s, mean, total_s <= target_s)

@@ -1,0 +1,205 @@
+"""The per-document budget allocator against brute force over its grid."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from sb_titan.balance.doc_budgets import (
+    BudgetCurve,
+    DocBudgetConfig,
+    DocCurves,
+    allocate,
+)
+
+GRID = (0.2, 0.35, 0.5, 0.65, 0.8, 1.0)
+CFG = DocBudgetConfig(grid=GRID, beta_min=0.2, beta_max=1.0, long_tokens=10**9)
+
+
+def _doc(length: int, sensitivity: float) -> DocCurves:
+    """Attention seconds ~ length^2 x density (topk: density = beta, plus the forced
+    blocks); true recall 1 - (1 - beta)^sensitivity: concave, a flatter curve the more
+    a document's attention concentrates in few blocks."""
+    betas = np.linspace(0.05, 1.0, 20)
+    seconds = 1e-9 * length**2 * (0.05 + 0.95 * betas)
+    recall = 1.0 - (1.0 - betas) ** sensitivity
+    return DocCurves(
+        length, BudgetCurve(tuple(betas), tuple(seconds)), BudgetCurve(tuple(betas), tuple(recall))
+    )
+
+
+# long documents lose little recall per second saved, short ones much: an equal split
+# cannot trade between them
+BATCH = [_doc(8192, 6.0), _doc(4096, 1.5), _doc(2048, 0.8), _doc(1024, 3.0)]
+
+
+def _tables(docs: list[DocCurves], cfg: DocBudgetConfig):
+    grid = np.asarray(cfg.grid)
+    t = np.stack([d.seconds.at(grid) for d in docs])
+    r = np.stack([d.recall.at(grid) for d in docs])
+    w = np.array([d.length for d in docs], dtype=np.float64)
+    return grid, t, r, w
+
+
+def _brute_force(docs, target_s, cfg):
+    """(best token-weighted recall, its budgets) over every grid combination."""
+    grid, t, r, w = _tables(docs, cfg)
+    best = (-1.0, None)
+    for combo in itertools.product(range(len(grid)), repeat=len(docs)):
+        rows = np.arange(len(docs))
+        if math.fsum(t[rows, combo].tolist()) <= target_s:
+            value = float((w * r[rows, combo]).sum() / w.sum())
+            if value > best[0] + 1e-15:
+                best = (value, grid[list(combo)])
+    return best
+
+
+def _equal_split(docs, target_s, cfg):
+    """Micro-batch DST's answer: the largest single grid beta that fits."""
+    grid, t, r, w = _tables(docs, cfg)
+    fits = [k for k in range(len(grid)) if math.fsum(t[:, k].tolist()) <= target_s]
+    k = max(fits)
+    return float((w * r[:, k]).sum() / w.sum()), grid[k]
+
+
+def _targets(docs, cfg):
+    _, t, _, _ = _tables(docs, cfg)
+    return np.linspace(t[:, 0].sum(), t[:, -1].sum(), 23)
+
+
+def test_meets_the_time_target():
+    for target in _targets(BATCH, CFG):
+        got = allocate(BATCH, float(target), CFG)
+        spent = math.fsum(d.seconds.at(b) for d, b in zip(BATCH, got.betas, strict=True))
+        assert got.met and spent <= target and got.seconds == spent
+    # below what the lowest budgets cost: they are kept and the miss is reported
+    _, t, _, _ = _tables(BATCH, CFG)
+    short = allocate(BATCH, 0.5 * float(t[:, 0].sum()), CFG)
+    assert not short.met and (short.betas == 0.2).all()
+
+
+def test_optimal_at_every_lagrangian_breakpoint():
+    """For any lambda, the documents' own best points (max w r - lambda t) are optimal
+    for their total time (Everett): the allocator matches brute force there."""
+    grid, t, r, w = _tables(BATCH, CFG)
+    value = w[:, None] * r / w.sum()
+    checked = 0
+    for lam in np.geomspace(1e-4, 1e4, 40) * (value.max() / t.max()):
+        k = np.argmax(value - lam * t, axis=1)
+        target = math.fsum(t[np.arange(len(BATCH)), k].tolist())
+        want, want_betas = _brute_force(BATCH, target, CFG)
+        got = allocate(BATCH, target, CFG)
+        assert got.recall == pytest.approx(want, abs=1e-12), lam
+        checked += not np.array_equal(k, np.zeros_like(k))
+    assert checked > 5
+
+
+def test_beats_an_equal_split_and_stays_within_one_step_of_brute_force():
+    grid, t, r, w = _tables(BATCH, CFG)
+    step = max((w * np.diff(r, axis=1).max(axis=1)).max() / w.sum(), 0.0)
+    strictly = 0
+    for target in _targets(BATCH, CFG):
+        got = allocate(BATCH, float(target), CFG)
+        best, _ = _brute_force(BATCH, float(target), CFG)
+        equal, _ = _equal_split(BATCH, float(target), CFG)
+        assert got.recall <= best + 1e-12
+        assert got.recall >= best - step
+        assert got.recall >= equal - 1e-12
+        strictly += got.recall > equal + 1e-3
+    assert strictly >= 10  # where time binds, moving budget between documents pays
+    # e.g. halfway: the long, insensitive document gives its budget to the short ones
+    mid = float(_targets(BATCH, CFG)[11])
+    got = allocate(BATCH, mid, CFG)
+    assert got.betas[0] < got.betas[2]
+
+
+def test_exchange_takes_the_step_the_sweep_left_out():
+    """B's steps pay more per second and fill the time; A's one big step then no longer
+    fits. Giving back B's cheaper step makes room for it: the optimum, which neither the
+    sweep (B at 1.0) nor one budget for both (0.4) finds."""
+    grid = (0.2, 0.4, 1.0)
+    cfg = DocBudgetConfig(grid=grid, beta_min=0.2, long_tokens=10**9)
+    a = DocCurves(1000, BudgetCurve(grid, (1.0, 1.0, 11.0)), BudgetCurve(grid, (0.0, 0.0, 1.0)))
+    b = DocCurves(1000, BudgetCurve(grid, (1.0, 2.0, 3.0)), BudgetCurve(grid, (0.0, 0.6, 1.0)))
+    got = allocate([a, b], 13.0, cfg)
+    best, best_betas = _brute_force([a, b], 13.0, cfg)
+    assert got.betas.tolist() == best_betas.tolist() == [1.0, 0.4]
+    assert got.recall == pytest.approx(best) == pytest.approx(0.8)
+
+
+def test_random_micro_batches_against_brute_force():
+    """Feasible, never above brute force and never below an equal split, on random
+    micro-batches with repeated documents (whose steps are taken together) and recall
+    curves convex in beta as well as concave."""
+    rng = np.random.default_rng(1)
+    for _ in range(12):
+        docs = [
+            _doc(int(n), float(s))
+            for n, s in zip(rng.integers(256, 8192, 3), rng.uniform(0.5, 6, 3), strict=True)
+        ]
+        docs += [docs[int(rng.integers(3))]] * 2
+        grid, t, r, w = _tables(docs, CFG)
+        for target in rng.uniform(t[:, 0].sum(), t[:, -1].sum(), 4):
+            got = allocate(docs, float(target), CFG)
+            spent = math.fsum(d.seconds.at(b) for d, b in zip(docs, got.betas, strict=True))
+            best, _ = _brute_force(docs, float(target), CFG)
+            assert spent <= target and got.recall <= best + 1e-12
+            assert got.recall >= _equal_split(docs, float(target), CFG)[0] - 1e-12
+
+
+def test_long_document_floor_holds():
+    tight = float(_tables(BATCH, CFG)[1][:, 0].sum()) * 1.05
+    free = allocate(BATCH, tight, CFG)
+    assert free.betas[0] < 0.5  # without the floor the 8K document is starved
+    floored = DocBudgetConfig(grid=GRID, beta_min=0.2, long_tokens=8192, long_floor=0.5)
+    for target in (tight, *_targets(BATCH, CFG)):
+        got = allocate(BATCH, float(target), floored)
+        assert got.betas[0] >= 0.5 and (got.betas[1:] >= 0.2).all()
+    # a floor between grid points rounds up to the next grid budget
+    between = DocBudgetConfig(grid=GRID, long_tokens=8192, long_floor=0.55)
+    assert allocate(BATCH, tight, between).betas[0] == 0.65
+
+
+def test_equal_documents_get_equal_budgets():
+    same = [_doc(4096, 2.0) for _ in range(5)]
+    other = _doc(1024, 0.7)
+    _, t, _, _ = _tables(same + [other], CFG)
+    for target in np.linspace(t[:, 0].sum(), t[:, -1].sum(), 31):
+        got = allocate(same, float(target), CFG)
+        assert (got.betas == got.betas[0]).all(), target
+        mixed = allocate(same + [other], float(target), CFG)
+        assert (mixed.betas[:5] == mixed.betas[0]).all(), target
+
+
+def test_order_free_and_deterministic():
+    rng = np.random.default_rng(0)
+    docs = [
+        _doc(int(n), float(s))
+        for n, s in zip(rng.integers(64, 8192, 12), rng.uniform(0.5, 6, 12), strict=True)
+    ]
+    perm = rng.permutation(len(docs))
+    for target in _targets(docs, CFG)[1:-1]:
+        got = allocate(docs, float(target), CFG)
+        again = allocate(docs, float(target), CFG)
+        shuffled = allocate([docs[i] for i in perm], float(target), CFG)
+        assert np.array_equal(got.betas, again.betas)
+        assert np.array_equal(got.betas[perm], shuffled.betas)
+
+
+def test_one_token_documents_weigh_nothing_and_bad_input_is_refused():
+    docs = [_doc(1, 1.0), _doc(2048, 1.0)]
+    got = allocate(docs, 1.0, CFG)  # time for everything: only the real document rises
+    assert got.betas.tolist() == [0.2, 1.0]
+    empty = allocate([], 0.0, CFG)
+    assert empty.betas.size == 0 and empty.met and empty.seconds == 0.0
+    with pytest.raises(ValueError, match="values must not decrease"):
+        BudgetCurve((0.2, 0.5), (0.9, 0.8))
+    with pytest.raises(ValueError, match="recall must lie in"):
+        DocCurves(10, BudgetCurve((0.5,), (1.0,)), BudgetCurve((0.5,), (1.5,)))
+    with pytest.raises(ValueError, match="long_floor"):
+        DocBudgetConfig(beta_max=0.4, long_floor=0.5)
+    with pytest.raises(ValueError, match="target_s"):
+        allocate(docs, float("nan"), CFG)
