@@ -126,9 +126,8 @@ class SBTrainer(Trainer):
         self._cp_split = CPSplitter.from_config(config) if cp else None
         self._run = RunContext()
         self._repeats = Repeats()  # warnings that recur every step, rate-limited
-        self.cost_model = build_run_cost_model(config)
         source = build_source(config.dataloader, config.training.seq_len)
-        self.balancer = run_balancer(config, self.cost_model, source.lengths)
+        self.balancer = run_balancer(config, build_run_cost_model(config), source.lengths)
         self._microbatches = self.balancer.shape.microbatches  # sizes the measurement gather
         with _as_torchtitan_builds(config, self.balancer, source) as tensorboard:
             super().__init__(config)
@@ -165,7 +164,9 @@ class SBTrainer(Trainer):
         row_budget = torch.full((positions.shape[0],), budget, device=positions.device)
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
-            split, self._cp_predicted[mb_index] = self._cp_split(self.cost_model, doc_id, budget)
+            split, self._cp_predicted[mb_index] = self._cp_split(
+                self.balancer.cost_model, doc_id, budget
+            )
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
             extra["positions"], cp_blocks = positions, split.blocks.to(positions.device)
@@ -297,14 +298,15 @@ class SBTrainer(Trainer):
                     "dst/predicted_recall_static": d.predicted_recall_static,
                 }
             )
-        if predicted is not None and self.cost_model is not None:
+        if predicted is not None:
             keys = sorted(predicted)
             measured = np.asarray([m.seconds[k] for k in keys])
             guess = np.asarray([predicted[k] for k in keys])
             ape = np.abs(guess - measured) / np.maximum(measured, 1e-12)
             if len(ape):
                 metrics["cost_model/ape_mean"] = float(ape.mean())
-            warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
+            drift = self.config.cost_model.drift_threshold
+            warning = self.balancer.cost_model.drift_warning(drift)
             if warning:
                 self._repeats.warning(logger, "cost_model_drift", warning)
         return metrics
