@@ -37,11 +37,11 @@ import sys
 import time
 from pathlib import Path
 
+from sb_titan.balance.balancer import ScheduledStep, step_budgets, step_units
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import ANCHORS, DSTConfig, sensitive_recall, tune_budgets
 from sb_titan.balance.snapshots import CostModelSnapshots
-from sb_titan.balance.units import step_units
-from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_planner
+from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_balancer
 
 OUT = Path(__file__).resolve().parents[1] / "bench" / "results" / "control_plane.json"
 PP, MICROBATCHES = 4, 8
@@ -82,12 +82,12 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
     cm = sim.models.planning
     lengths = draw_lengths(cluster, repeats + 2, seed)
     sab = dataclasses.replace(sc.sab, seed=seed)
-    planner = make_planner(lengths, cluster, sab, "sab", cm, sc.dst, sc.selection)
-    plan_times, plan = [], None
+    balancer = make_balancer(lengths, cluster, sab, "sab", cm, sc.dst, sc.selection)
+    plan_times = []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        plan = planner.next_step()
-        plan_times.append(time.perf_counter() - t0)
+        scheduled = balancer.next_step()
+        plan_times.append(scheduled.planning_s)
+    plan = scheduled.plan
     work = step_units(plan, pipelined=True)
     dst_s, step_s = {}, {}
     for anchor in ANCHORS:
@@ -95,7 +95,8 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
         solve = lambda cfg=cfg: tune_budgets(work, cm, cfg, sc.selection)  # noqa: E731
         dst_s[anchor] = _median_s(solve, repeats)
         sim.dst = cfg
-        step_s[anchor] = sim.run_step(plan, "sab_dst").step_s
+        scheduled = ScheduledStep(plan, *step_budgets(plan, cm, cfg, sc.selection, True))
+        step_s[anchor] = sim.run_step(scheduled, "sab_dst").step_s
     latency, density, recall = _refit_inputs(cm, plan, sc.dst, sc.selection)
 
     def refit() -> None:

@@ -94,7 +94,12 @@ def main() -> None:
         config = SABConfig(policy=policy, seed=SEED)
         results[policy] = evaluate(lengths, SHAPE, config, STEPS, ATTENTION_SHARE)
         with_densities[policy] = evaluate(
-            lengths, SHAPE, config, STEPS, ATTENTION_SHARE, setup=observed_densities
+            lengths,
+            SHAPE,
+            config,
+            STEPS,
+            ATTENTION_SHARE,
+            setup=lambda balancer: observed_densities(balancer.planner),
         )
     order = np.random.default_rng([SEED, 0]).permutation(DOCS)  # the planner's epoch 0
     reference = concat_chunk(lengths, order, STEPS)

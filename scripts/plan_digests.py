@@ -43,9 +43,9 @@ def plan_digest(plans) -> str:
 
 
 def packing_digests() -> dict[str, str]:
+    from sb_titan.balance.balancer import Balancer
     from sb_titan.balance.sab import AnalyticCost, SABConfig
     from sb_titan.data.longtail import longtail_v1
-    from sb_titan.tools.plan import shape_planner
 
     bench = _load_bench("packing")
     lengths = longtail_v1(bench.DOCS, bench.R, bench.SEED)
@@ -54,10 +54,10 @@ def packing_digests() -> dict[str, str]:
         for observed in (False, True):
             sab = SABConfig(policy=policy, seed=bench.SEED)
             cost = AnalyticCost(bench.R, bench.ATTENTION_SHARE)
-            planner = shape_planner(lengths, bench.SHAPE, sab, cost)
+            balancer = Balancer(lengths, bench.SHAPE, sab, cost_fn=cost)  # as sb-plan plans
             if observed:
-                bench.observed_densities(planner)
-            plans = [planner.next_step() for _ in range(PACKING_STEPS)]
+                bench.observed_densities(balancer.planner)
+            plans = [balancer.next_step().plan for _ in range(PACKING_STEPS)]
             out[f"packing/{policy}{'+densities' if observed else ''}"] = plan_digest(plans)
     return out
 

@@ -97,6 +97,22 @@ def sample_log(dump: Path, rank: int = 0) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+RUN_DIGESTS = REPO / "tests" / "fixtures" / "run_digests.json"
+
+
+def assert_run_digest(key: str, dump: Path, ranks: int) -> None:
+    """The plans, budgets and cost-model snapshots every rank logged (its sample log)
+    are what they were when recorded in tests/fixtures/run_digests.json: a refactoring of
+    the balance loop must not change them. Re-record (copy the digest this prints) only
+    for a change meant to alter plans or budgets, and say so in the commit."""
+    import hashlib
+
+    logs = [sample_log(dump, rank) for rank in range(ranks)]
+    digest = hashlib.sha1(json.dumps(logs, sort_keys=True).encode()).hexdigest()
+    recorded = json.loads(RUN_DIGESTS.read_text()).get(key)
+    assert recorded == digest, f"{key}: recorded {recorded}, this run {digest}"
+
+
 # The debug flavor's shapes (sb_titan/models/qwen2_5) as transformers Qwen2Config
 # arguments: a tiny HF checkpoint that loads into `model.flavor = "debug"`.
 DEBUG_HF_SHAPE = dict(

@@ -205,3 +205,58 @@ def test_pyproject_lists_every_package():
     )
     packages = {n for n, p in MODULES.items() if p.name == "__init__.py"}
     assert packages == listed, (packages - listed, listed - packages)
+
+
+# The balance loop has one owner (docs/architecture.md): inside sb_titan/ only the
+# balancer builds a planner, runs DST or keeps the cost-model snapshots. Each part is
+# named where it lives; benches and tests may call the parts directly.
+BALANCER = "sb_titan.balance.balancer"
+LOOP_PARTS = {
+    "Planner": "sb_titan.balance.sab",
+    "tune_budgets": "sb_titan.balance.dst",
+    "step_budgets": BALANCER,
+    "CostModelSnapshots": "sb_titan.balance.snapshots",
+}
+
+
+def _loop_parts_named(tree: ast.AST) -> set[str]:
+    """Which LOOP_PARTS a syntax tree names: called, referenced or imported, under any
+    module alias (`sab.Planner(...)`, `from ... import tune_budgets as solve`)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.name.rpartition(".")[2])
+    return found & set(LOOP_PARTS)
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        ("from sb_titan.balance.sab import Planner\np = Planner(lengths)", {"Planner"}),
+        (
+            "import sb_titan.balance.dst as d\nd.tune_budgets(units, m, cfg, 'mass')",
+            {"tune_budgets"},
+        ),
+        ("from sb_titan.balance.dst import tune_budgets as solve", {"tune_budgets"}),
+        ("make = functools.partial(sab.Planner, lengths)", {"Planner"}),
+        ("plan = balancer.next_step().plan", set()),
+    ],
+)
+def test_loop_part_finder(source, named):
+    assert _loop_parts_named(ast.parse(source)) == named
+
+
+def test_only_the_balancer_plans_and_budgets():
+    wrong = []
+    for name, path in MODULES.items():
+        if not name.startswith("sb_titan.") or name == BALANCER:
+            continue
+        for part in sorted(_loop_parts_named(ast.parse(path.read_text()))):
+            home = LOOP_PARTS[part]
+            if name != home and not name.startswith(home + "."):
+                wrong.append(f"{name} uses {part}")
+    assert not wrong, "only balance/balancer.py may plan and budget:\n" + "\n".join(wrong)

@@ -7,7 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import fixture_env, from_seed, losses, sample_log, scalars, torchrun
+from conftest import (
+    assert_run_digest,
+    fixture_env,
+    from_seed,
+    losses,
+    sample_log,
+    scalars,
+    torchrun,
+)
 
 pytestmark = pytest.mark.torchrun
 
@@ -83,7 +91,8 @@ def test_cp2_composes_with_dp_and_pp(seed_ckpt, tmp_path, layout):
 
 def test_cp2_resume_is_bit_exact(seed_ckpt, tmp_path):
     """SAB + DST with the refit cost model (on a deterministic clock) deciding the
-    splits: 4 straight steps equal 2 steps, a checkpoint, and 2 resumed steps."""
+    splits: 4 straight steps equal 2 steps, a checkpoint, and 2 resumed steps. The
+    straight run's plans and budgets (steps 2-3 from refit snapshots) are the recorded ones."""
     common = [
         *SPARSE, *CP2,
         "--checkpoint.enable", "--checkpoint.interval", "2",
@@ -98,3 +107,4 @@ def test_cp2_resume_is_bit_exact(seed_ckpt, tmp_path):
     torchrun(2, [*common, "--training.steps", "4"], resumed, env=env)
     assert losses(straight) == losses(resumed) and len(losses(straight)) == 4
     assert sample_log(straight) == sample_log(resumed)
+    assert_run_digest("cp2_sab_dst_refit", straight, ranks=2)

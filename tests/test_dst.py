@@ -268,8 +268,8 @@ def test_a_learned_recall_model_makes_the_recall_anchor_more_careful():
 def test_trainer_feeds_the_recall_model_from_gathered_measurements():
     """What every rank does after a step: measured (recall sum, tokens) per micro-batch
     → (budget, longest document, sensitive-token recall) → recall_model.update."""
+    from sb_titan.balance.measurements import StepMeasurements
     from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
-    from sb_titan.runtime.measurements import StepMeasurements
 
     def mb(*lens):
         return MicroBatchPlan(rows=[[Piece(i, 0, n) for i, n in enumerate(lens)]])

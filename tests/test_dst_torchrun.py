@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import sample_log, torchrun
+from conftest import assert_run_digest, fixture_env, sample_log, torchrun
 
 from sb_titan.runtime.tensorboard import read_layout, read_scalars
 
@@ -122,6 +122,7 @@ def test_dp_ranks_agree_on_every_plan_and_budget(tmp_path, policy):
             "4",
         ],
         tmp_path,
+        env=fixture_env("deterministic_clock"),
     )
     a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
     assert [e["plan_digest"] for e in a] == [e["plan_digest"] for e in b]  # same global plan
@@ -133,6 +134,7 @@ def test_dp_ranks_agree_on_every_plan_and_budget(tmp_path, policy):
         for e in log:
             assert e["budget"] == e["step_budgets"][rank][e["microbatch"]]
     _check_layout(tmp_path)
+    assert_run_digest(f"dp2_{policy}_dst", tmp_path, ranks=2)
 
 
 def _check_layout(dump: Path) -> None:

@@ -10,9 +10,9 @@ import torch
 from conftest import fixture_env, losses, sample_log, torchrun
 
 from sb_titan.attention.selection import STATS_SIZE
+from sb_titan.balance.measurements import StepMeasurements
 from sb_titan.balance.sab import MicroBatchPlan, Piece, StepPlan
 from sb_titan.runtime.measurements import (
-    StepMeasurements,
     decode_measurements,
     encode_measurements,
     measurement_size,

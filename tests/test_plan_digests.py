@@ -1,7 +1,10 @@
 """Plans and DST budgets for fixed seeds are what they were when recorded
 (scripts/plan_digests.py): refactorings that must not change behaviour are checked here.
 Re-record with `python scripts/plan_digests.py --out tests/fixtures/plan_digests.json`
-only for a change that is meant to alter plans or budgets, and say so in the commit."""
+only for a change that is meant to alter plans or budgets, and say so in the commit.
+The trainer's own plans and budgets (2-rank torchrun runs, SAB + DST, the refit on the
+deterministic clock) are held the same way by the runs that train them:
+conftest.assert_run_digest, tests/fixtures/run_digests.json."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from sb_titan.simulator import (
     Network,
     Scenario,
     build_simulator,
-    make_planner,
+    make_balancer,
     simulate,
 )
 from sb_titan.simulator.replay import replay
@@ -90,15 +90,18 @@ def _small(pp: int, **kw) -> tuple[Cluster, Scenario]:
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_decision_is_planner_plus_tune_budgets(pp):
-    """The simulator's plans and budgets are exactly what sab.Planner + dst.tune_budgets
-    give when called directly, as the trainer calls them."""
+    """The balancer's plans and budgets that the simulator replays are exactly what
+    sab.Planner + dst.tune_budgets give when called directly."""
     cluster, sc = _small(pp)
     sim = build_simulator(cluster, sc)
     cm, dst = sim.models.planning, sc.dst
     lengths = longtail_v1(3000, cluster.seq_len, 0)
     lowered = 0
     for policy, variants in (("sequential", ("dst", "baseline")), ("sab", ("sab_dst", "sab"))):
-        ours = make_planner(lengths, cluster, sc.sab, policy, cm, dst, sc.selection)
+        ours = {  # one balancer per variant, as simulate() runs them
+            v: make_balancer(lengths, cluster, sc.sab, policy, cm, sim.dst_config(v), sc.selection)
+            for v in variants
+        }
         direct = Planner(
             lengths,
             seq_len=cluster.seq_len,
@@ -110,8 +113,10 @@ def test_decision_is_planner_plus_tune_budgets(pp):
             density_prior=lambda n: cm.density_for_budget(dst.beta0, n, sc.selection),
         )
         for _ in range(2):
-            plan, want = ours.next_step(), direct.next_step()
-            assert plan.microbatches == want.microbatches
+            want = direct.next_step()
+            scheduled = {v: b.next_step() for v, b in ours.items()}
+            for s in scheduled.values():
+                assert s.plan.microbatches == want.microbatches
             if pp > 1:
                 units = [[mb.doc_lens] for rank in want.microbatches for mb in rank]
             else:
@@ -120,7 +125,8 @@ def test_decision_is_planner_plus_tune_budgets(pp):
                 decision = tune_budgets(
                     units, cm, dataclasses.replace(dst, enabled=enabled), sc.selection
                 )
-                assert sim.run_step(plan, variant).budgets_digest == decision.digest()
+                assert scheduled[variant].decision.digest() == decision.digest()
+                assert sim.run_step(scheduled[variant], variant).budgets_digest == decision.digest()
                 lowered += decision.n_lowered
     assert lowered > 0  # DST really acted somewhere
 

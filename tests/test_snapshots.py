@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
+from sb_titan.balance.balancer import step_budgets
 from sb_titan.balance.cost_model import CostModel, CostModelConfig
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.snapshots import CostModelSnapshots, PlanningCancelled
-from sb_titan.balance.units import schedule_step
-from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_planner
+from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_balancer
 
 
 @functools.cache
@@ -115,16 +115,16 @@ def test_budgets_from_a_rebuilt_snapshot_equal_the_original():
     """What resume relies on: the serialized snapshot decides the same budgets."""
     cluster = _simulator()[0]
     live = _model()
-    planner = make_planner(
+    balancer = make_balancer(
         draw_lengths(cluster, 2, 0), cluster, Scenario().sab, "sab", live, DSTConfig(), "mass"
     )
-    plan = planner.next_step()
+    plan = balancer.next_step().plan
     store = CostModelSnapshots(live, lag=1)
     mbs = [mb for rank in plan.microbatches for mb in rank]
     live.refit([(mb.doc_lens, mb.densities, 1.7 * mb.predicted_s) for mb in mbs])
     store.publish(0, live)
-    ahead = schedule_step(plan, store.model_for(1), DSTConfig(), "mass", True)
-    in_place = schedule_step(plan, store.rebuild(1), DSTConfig(), "mass", True)
-    first = schedule_step(plan, store.model_for(0), DSTConfig(), "mass", True)
-    assert ahead.budgets == in_place.budgets
-    assert ahead.budgets != first.budgets  # the refit moved them
+    ahead, _ = step_budgets(plan, store.model_for(1), DSTConfig(), "mass", True)
+    in_place, _ = step_budgets(plan, store.rebuild(1), DSTConfig(), "mass", True)
+    first, _ = step_budgets(plan, store.model_for(0), DSTConfig(), "mass", True)
+    assert ahead == in_place
+    assert ahead != first  # the refit moved them

@@ -1,2 +1,2 @@
-"""Load balancing: the cost model, SAB (sparsity-aware batching) and DST (dynamic
-sparsity tuning), and the rules that cut a step into work units."""
+"""Load balancing: the cost model, SAB (sparsity-aware batching), DST (dynamic
+sparsity tuning), and the Balancer that runs them as one control loop (balancer.py)."""

@@ -1,24 +1,23 @@
 """The recipe's data loader: a torchdata.nodes chain wrapped as TorchTitan's BaseDataLoader.
 
-    StepPlanNode (global plan and its DST budgets, identical on every rank, metadata only)
+    StepPlanNode (the balancer's next step: global plan and budgets, metadata only)
       → RankMicrobatchNode (this rank's micro-batches of each step, in order)
       → Mapper(pack: read this rank's tokens, build rows)
       → Prefetcher → Loader
 
 One item is one micro-batch: `({"input", "positions", "scheduled", ...}, labels)`; the
 step's ScheduledStep (global plan + budgets of every rank) rides along for logging and
-measurement. Plans and budgets are decided here, in the prefetch thread, from a lagged
-cost-model snapshot (balance/snapshots.py): off the training step's critical path.
+measurement. The loader decides nothing: it asks the run's Balancer (balance/balancer.py)
+for each step, in the prefetch thread, off the training step's critical path, and
+packs what it decided.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import pickle
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,11 +25,9 @@ import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
 from torchtitan.tools.logging import logger
 
-from sb_titan.balance.cost_model import CostModel
-from sb_titan.balance.dst import DSTConfig
-from sb_titan.balance.sab import MicroBatchPlan, Planner, SABConfig
-from sb_titan.balance.snapshots import CostModelSnapshots, PlanningCancelled
-from sb_titan.balance.units import ScheduledStep, schedule_step
+from sb_titan.balance.balancer import Balancer, ScheduledStep
+from sb_titan.balance.sab import MicroBatchPlan, SABConfig
+from sb_titan.balance.step_shape import StepShape
 from sb_titan.compat.data import BaseDataLoader, stop_prefetcher
 from sb_titan.data.source import TokenSource, integrity_note
 
@@ -38,44 +35,26 @@ IGNORE_INDEX = -100
 
 
 class StepPlanNode(BaseNode[ScheduledStep]):
-    """Yields global step plans with their budgets; its state is the planner's (exact
+    """Yields the balancer's scheduled steps; its state is the plan state (exact
     resume: the cost-model snapshots a re-planned step needs are in the trainer's
     checkpoint)."""
 
-    def __init__(self, planner: Planner, planning: StepPlanning) -> None:
+    def __init__(self, balancer: Balancer) -> None:
         super().__init__()
-        self.planner = planner
-        self.planning = planning
-        # Snapshots leave the density store out: SBDataLoader checkpoints it live.
-        self._fresh = planner.state_dict(observations=False)
-        self._lock = threading.Lock()
+        self.balancer = balancer
         self._generation = 0  # bumped by reset: a planner still waiting is stale
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        with self._lock:
-            self._generation += 1
-            self.planner.load_state_dict(initial_state["planner"] if initial_state else self._fresh)
+        self._generation += 1  # only reset writes it
+        self.balancer.load_plan_state(initial_state["planner"] if initial_state else None)
 
     def next(self) -> ScheduledStep:
-        generation, step = self._generation, self.planner.state.step
-        cfg = self.planning
-        model = None
-        if cfg.snapshots is not None:  # may wait for the trainer to publish it
-            model = cfg.snapshots.model_for(step, lambda: self._generation != generation)
-        with self._lock:
-            if self._generation != generation:
-                raise PlanningCancelled(f"planning step {step}: the loader was reset")
-            if model is not None:
-                self.planner.price_with(*cfg.pricing(model))
-            plan = self.planner.next_step()
-        scheduled = schedule_step(plan, model, cfg.dst, cfg.selection, cfg.pipelined)
-        if model is None:
-            return scheduled
-        return scheduled._replace(snapshot=f"{cfg.snapshots.source_step(step)}:{model.digest()}")
+        generation = self._generation
+        return self.balancer.next_step(cancelled=lambda: self._generation != generation)
 
     def get_state(self) -> dict[str, Any]:
-        return {"planner": self.planner.state_dict(observations=False)}
+        return {"planner": self.balancer.plan_state()}
 
 
 class RankMicrobatchNode(BaseNode[tuple[ScheduledStep, int]]):
@@ -154,33 +133,8 @@ def pack_microbatch(
     return torch.from_numpy(tokens), torch.from_numpy(labels), torch.from_numpy(positions)
 
 
-@dataclass(frozen=True)
-class StepPlanning:
-    """What the loader needs from the run to plan and budget whole steps; the trainer
-    passes it as an argument (it comes from [sab], [dst], the step shape and the cost
-    model, not [dataloader])."""
-
-    microbatches_per_step: int = 1
-    """Gradient-accumulation steps x pipeline micro-batches."""
-    sab: SABConfig = field(default_factory=lambda: SABConfig(policy="sequential"))
-    snapshots: CostModelSnapshots | None = None
-    """Lagged cost models: step t is priced and budgeted with the one the trainer
-    published after step t - lag. None: token-count pricing, every budget dst.beta0."""
-    dst: DSTConfig = field(default_factory=DSTConfig)
-    selection: str = "mass"
-    """The selection policy the budgets feed ([sparse_attention] policy)."""
-    pipelined: bool = False
-    """Under PP every micro-batch is its own DST unit (balance/units.py)."""
-
-    def pricing(self, model: CostModel) -> tuple[Any, Any]:
-        """SAB's cost function and density prior (at beta0) from one cost model."""
-        beta0, selection = self.dst.beta0, self.selection
-        prior = functools.cache(lambda n: model.density_for_budget(beta0, n, selection))
-        return model.predict, prior
-
-
 class SBDataLoader(BaseDataLoader):
-    """Plans every step globally, packs only this rank's micro-batches."""
+    """Packs this rank's micro-batches of every step the balancer plans globally."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
@@ -203,9 +157,16 @@ class SBDataLoader(BaseDataLoader):
         """Write the pieces each rank trains on, per step, to dump_folder/samples_rank<r>.jsonl
         (what resume and cross-rank tests compare)."""
 
-        def build(self, *, planning: StepPlanning | None = None, **kwargs) -> SBDataLoader:
-            """TorchTitan's build(); a trainer passes the step planning (loader_planning)."""
-            return SBDataLoader(self, planning=planning, **kwargs)
+        def build(
+            self,
+            *,
+            balancer: Balancer | None = None,
+            source: TokenSource | None = None,
+            **kwargs,
+        ) -> SBDataLoader:
+            """TorchTitan's build(); a trainer passes the run's balancer and the source
+            it balances."""
+            return SBDataLoader(self, balancer=balancer, source=source, **kwargs)
 
     def __init__(
         self,
@@ -217,33 +178,30 @@ class SBDataLoader(BaseDataLoader):
         seq_len: int,
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,
-        planning: StepPlanning | None = None,
+        balancer: Balancer | None = None,
+        source: TokenSource | None = None,
     ) -> None:
-        planning = planning or StepPlanning()
         self.config = config
         self.dp_rank = dp_rank
         self.seq_len = seq_len
-        self.source = build_source(config, seq_len)
+        self.source = source or build_source(config, seq_len)
         note = integrity_note(self.source)
         if note and dp_rank == 0:  # once per run, wherever it was launched from
             logger.warning(note)
         pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
         self.pad_id = 0 if pad is None else pad
-        cost_fn, prior = _token_count_cost, None
-        if planning.snapshots is not None:
-            cost_fn, prior = planning.pricing(planning.snapshots.model_for(0))
-        self.planning = planning
-        self.planner = Planner(
-            self.source.lengths,
-            seq_len=seq_len,
-            dp=dp_world_size,
-            microbatches=planning.microbatches_per_step,
-            rows_per_microbatch=local_batch_size,
-            config=planning.sab,
-            cost_fn=cost_fn,
-            density_prior=prior,
-        )
-        node: BaseNode = RankMicrobatchNode(StepPlanNode(self.planner, planning), dp_rank)
+        if balancer is None:  # built outside the trainer: one micro-batch per step, in order
+            shape = StepShape(seq_len, dp_world_size, 1, local_batch_size)
+            balancer = Balancer(self.source.lengths, shape, SABConfig(policy="sequential"))
+        s = balancer.shape
+        if (s.seq_len, s.dp, s.rows) != (seq_len, dp_world_size, local_batch_size):
+            raise ValueError(
+                f"the balancer plans steps of {s.dp} DP ranks x rows of {s.rows} x "
+                f"{s.seq_len} tokens, but the loader was built for {dp_world_size} x "
+                f"{local_batch_size} x {seq_len}"
+            )
+        self.balancer = balancer
+        node: BaseNode = RankMicrobatchNode(StepPlanNode(balancer), dp_rank)
         node = Mapper(node, self._pack)
         self._root = Prefetcher(node, prefetch_factor=config.prefetch_factor)
         self.loader = Loader(self._root)
@@ -265,7 +223,7 @@ class SBDataLoader(BaseDataLoader):
         # item is produced, before the trainer observed the steps still in flight.
         state = {
             "loader": self.loader.state_dict(),
-            "sab_densities": self.planner.observation_state(),
+            "sab_densities": self.balancer.observation_state(),
         }
         return {f"dp_rank_{self.dp_rank}": pickle.dumps(state)}
 
@@ -282,22 +240,15 @@ class SBDataLoader(BaseDataLoader):
         # template) already created an iterator that would otherwise ignore this state.
         self.loader = Loader(self._root)
         state = pickle.loads(state_dict[key])
-        self.planner.load_observation_state(state["sab_densities"])
+        self.balancer.load_observation_state(state["sab_densities"])
         self.loader.load_state_dict(state["loader"])
 
     def close(self) -> None:
         """Stop the prefetch thread. Left running, it keeps planning and packing the
         next steps while the interpreter exits, and a daemon thread caught inside torch
         at exit can abort the process after training has finished."""
-        if self.planning.snapshots is not None:
-            self.planning.snapshots.close()  # a planner waiting for a snapshot gives up
+        self.balancer.close()  # a planner waiting for a snapshot gives up
         stop_prefetcher(self._root)
-
-
-def _token_count_cost(doc_lens: list[int]) -> float:
-    """Stand-in 'latency' when no cost model is configured (only the `sequential` and
-    `tokens` policies run without one): tokens plus the quadratic attention term."""
-    return float(sum(doc_lens)) + float(sum(n * n for n in doc_lens)) / 4096.0
 
 
 def build_source(config: SBDataLoader.Config, seq_len: int) -> TokenSource:

@@ -2,13 +2,13 @@
 
 What it adds to the stock trainer, and nothing else:
   * recipe config sections ([model], [sparse_attention], [sab], [dst], [cost_model]);
-  * the global step plan and its DST budgets for every (DP rank, micro-batch), decided
-    ahead in the loader's planning thread from a lagged cost-model snapshot and so
-    identical on every rank → `attention_masks = AttnMeta(doc_id, budget, microbatch,
+  * the run's Balancer (balance/balancer.py): it decides the global step plan and the
+    DST budget of every (DP rank, micro-batch) ahead, in the loader's planning thread,
+    identically on every rank → `attention_masks = AttnMeta(doc_id, budget, microbatch,
     stats)`, which the pipeline schedule hands to every stage;
   * per-micro-batch measurements (time per stage, realised density, recall),
-    all-gathered as one float64 tensor per rank so every rank refits the cost model
-    and feeds SAB identically, then publishes the refit model for the planning thread;
+    all-gathered as one float64 tensor per rank and handed to `Balancer.observe` once
+    per step, so every rank learns identically;
   * TensorBoard scalars next to TorchTitan's loss / step time / tokens per second.
 """
 
@@ -35,6 +35,7 @@ from torchtitan.trainer import Trainer
 
 from sb_titan.attention.layout import AttnMeta, block_budgets, doc_ids_from_positions
 from sb_titan.attention.selection import STATS_SIZE
+from sb_titan.balance.balancer import Balancer, ScheduledStep
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -44,12 +45,11 @@ from sb_titan.balance.cost_model import (
     build_cost_model,
 )
 from sb_titan.balance.dst import DSTConfig, DSTDecision
+from sb_titan.balance.measurements import StepMeasurements
 from sb_titan.balance.sab import SABConfig, StepPlan
-from sb_titan.balance.snapshots import CostModelSnapshots
 from sb_titan.balance.step_shape import step_shape
-from sb_titan.balance.units import ScheduledStep, schedule_step
-from sb_titan.data.loader import SBDataLoader, StepPlanning
-from sb_titan.data.source import check_tokenizer, check_vocabulary
+from sb_titan.data.loader import SBDataLoader, build_source
+from sb_titan.data.source import TokenSource, check_tokenizer, check_vocabulary
 from sb_titan.models.qwen2_5 import ModelConfig, derive_model_spec
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
@@ -62,7 +62,6 @@ from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.cp_split import CPSplitter
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
-    StepMeasurements,
     all_gather_flat,
     decode_measurements,
     encode_measurements,
@@ -100,16 +99,12 @@ class SBTrainer(Trainer):
         self._cp_split = CPSplitter.from_config(config, model) if cp else None
         self._run = RunContext()
         self._repeats = Repeats()  # warnings that recur every step, rate-limited
-        self.cost_model = build_run_cost_model(config, model)
-        self.snapshots = (
-            None
-            if self.cost_model is None
-            else CostModelSnapshots(self.cost_model, config.cost_model.plan_lag)
-        )
-        planning = loader_planning(config, self.snapshots)
-        self._microbatches = planning.microbatches_per_step  # sizes the measurement gather
+        source = build_source(config.dataloader, config.training.seq_len)
+        cost_model = build_run_cost_model(config, model)
+        self.balancer = run_balancer(config, cost_model, source.lengths)
+        self._microbatches = self.balancer.shape.microbatches  # sizes the measurement gather
         record = make_record(config, int(os.environ.get("WORLD_SIZE", "1")))  # as resolved
-        with _as_torchtitan_builds(config, self.model_spec, planning) as tensorboard:
+        with _as_torchtitan_builds(config, self.model_spec, self.balancer, source) as tensorboard:
             super().__init__(config)
         self.checkpointer.run_record = record  # into every step folder; checked on resume
         if dist.get_rank() == 0:
@@ -120,7 +115,7 @@ class SBTrainer(Trainer):
             self._tensorboard = add_run_tensorboard(
                 self.metrics_processor, config, self.parallel_dims
             )
-        source = self.dataloader.source  # checked before spawning too (config/preflight.py)
+        # checked before spawning too (config/preflight.py)
         check_vocabulary(source, model.vocab_size, config.model.flavor)
         if note := check_tokenizer(source, config.hf_assets_path):
             logger.info(note)
@@ -153,7 +148,7 @@ class SBTrainer(Trainer):
         cp_blocks = None
         if self.parallel_dims.cp_enabled:
             split, self._cp_predicted[mb_index] = self._cp_split(
-                self.cost_model, doc_id, doc_budgets
+                self.balancer.cost_model, doc_id, doc_budgets
             )
             shard = split.token_index(self._cp_rank()).to(positions.device)
             inputs, labels, positions = (t.gather(1, shard) for t in (inputs, labels, positions))
@@ -165,7 +160,7 @@ class SBTrainer(Trainer):
         return inputs, labels, extra
 
     def _take_step(self, scheduled: ScheduledStep) -> None:
-        """On a step's first micro-batch: adopt the plan and budgets the loader decided."""
+        """On a step's first micro-batch: adopt the plan and budgets the balancer decided."""
         if self._step_plan is not None and scheduled.plan.step == self._step_plan.step:
             return
         self._step_plan, self._budgets = scheduled.plan, scheduled.budgets
@@ -177,14 +172,7 @@ class SBTrainer(Trainer):
         """Debug: the budgets decided ahead equal budgets decided here, in place, from the
         serialized snapshot of the same step, and every rank holds the same."""
         plan = scheduled.plan
-        model = None if self.snapshots is None else self.snapshots.rebuild(plan.step)
-        cfg, policy = self.config.dst, self.config.sparse_attention.policy
-        in_place = schedule_step(plan, model, cfg, policy, self.parallel_dims.pp_enabled)
-        if in_place.budgets != scheduled.budgets:
-            raise RuntimeError(
-                f"step {plan.step}: budgets decided ahead {scheduled.budgets} differ from "
-                f"budgets decided in place {in_place.budgets}"
-            )
+        self.balancer.verify(scheduled)
         digest = hashlib.sha1(repr(scheduled.budgets).encode()).hexdigest()
         what = f"plan and budgets of step {plan.step}"
         assert_same_everywhere(f"{plan_digest(plan)}/{digest}", what)
@@ -247,34 +235,10 @@ class SBTrainer(Trainer):
             return None
         gathered = decode_measurements(gathered, self._microbatches)
         m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
-        if self.cost_model is not None:
-            policy = self.config.sparse_attention.policy
-            predicted = {  # before this step's refit: an honest error
-                key: self.cost_model.predict_budget(
-                    plan.microbatches[key[0]][key[1]].doc_lens,
-                    self._budgets[key[0]][key[1]],
-                    policy,
-                )
-                for key in m.seconds
-            }
-            # Step 1 carries one-off work in its block times (torch.compile, Triton JIT,
-            # allocator growth): never fit to it. A resumed process's first step is
-            # fitted like any other (the refit is damped), so resume stays exact.
-            warm = self.step > 1
-            observations = m.observations(plan)
-            if self.config.cost_model.refit and observations and warm:
-                self.cost_model.refit(observations)
-            self.cost_model.density_model.update(m.density_observations(plan))
-            recall = self.cost_model.recall_model
-            recall.update(m.recall_observations(plan, recall.block_size, recall.measure))
-        else:
-            predicted = None
-        planner = getattr(self.dataloader, "planner", None)
-        if planner is not None and hasattr(planner, "observe"):
-            ids, dens = m.sample_densities(plan)
-            planner.observe(ids, dens, step=plan.step)
-        if self.snapshots is not None:  # plans step plan.step + plan_lag
-            self.snapshots.publish(plan.step, self.cost_model)
+        # Step 1 carries one-off work in its block times (torch.compile, Triton JIT,
+        # allocator growth): never fit to it. A resumed process's first step is
+        # fitted like any other (the refit is damped), so resume stays exact.
+        predicted = self.balancer.observe(plan, m, fit_latency=self.step > 1)
         if not self.metrics_processor.should_log(self.step):
             return None
         return self._recipe_metrics(m, predicted)
@@ -317,14 +281,15 @@ class SBTrainer(Trainer):
                     "dst/predicted_recall_static": d.predicted_recall_static,
                 }
             )
-        if predicted is not None and self.cost_model is not None:
+        if predicted is not None:
             keys = sorted(predicted)
             measured = np.asarray([m.seconds[k] for k in keys])
             guess = np.asarray([predicted[k] for k in keys])
             ape = np.abs(guess - measured) / np.maximum(measured, 1e-12)
             if len(ape):
                 metrics["cost_model/ape_mean"] = float(ape.mean())
-            warning = self.cost_model.drift_warning(self.config.cost_model.drift_threshold)
+            drift = self.config.cost_model.drift_threshold
+            warning = self.balancer.cost_model.drift_warning(drift)
             if warning:
                 self._repeats.warning(logger, "cost_model_drift", warning)
         return metrics
@@ -386,21 +351,12 @@ class SBTrainer(Trainer):
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
-        if self.cost_model is not None:
-            state["cost_model"] = json.dumps(self.cost_model.state_dict())
-            state["cost_model_snapshots"] = json.dumps(self.snapshots.state_dict())
-        return state
+        return {**super().state_dict(), **self.balancer.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        if self.cost_model is not None and "cost_model" in state_dict:
-            self.cost_model.load_state_dict(json.loads(state_dict["cost_model"]))
-            if "cost_model_snapshots" in state_dict:
-                self.snapshots.load_state_dict(json.loads(state_dict["cost_model_snapshots"]))
-            else:  # a checkpoint from before planning ahead: its model plans what is pending
-                logger.warning("checkpoint has no cost-model snapshots; planning with its model")
-                self.snapshots.adopt(self.cost_model, self.step - 1)
+        if not self.balancer.load_state_dict(state_dict, trained_step=self.step - 1):
+            logger.warning("checkpoint has no cost-model snapshots; planning with its model")
 
 
 def run_model_spec(config: SBTrainer.Config) -> ModelSpec:
@@ -452,32 +408,37 @@ def build_run_cost_model(config: SBTrainer.Config, model: Qwen3Model.Config) -> 
     return model
 
 
-def loader_planning(config: SBTrainer.Config, snapshots: CostModelSnapshots | None) -> StepPlanning:
-    """The loader plans and budgets whole steps ahead, so it must know the micro-batches
-    per step, the packing policy, the DST rule and the lagged cost-model snapshots."""
-    return StepPlanning(
-        step_shape(config, int(os.environ.get("WORLD_SIZE", "1"))).microbatches,
+def run_balancer(
+    config: SBTrainer.Config, cost_model: CostModel | None, lengths: np.ndarray
+) -> Balancer:
+    """The run's balance loop over the source's sample lengths: the step TorchTitan will
+    cut, the packing policy, the DST rule and the cost model, planned plan_lag ahead."""
+    return Balancer(
+        lengths,
+        step_shape(config, int(os.environ.get("WORLD_SIZE", "1"))),
         config.sab,
-        snapshots=snapshots,
-        dst=config.dst,
+        cost_model,
+        config.dst,
         selection=config.sparse_attention.policy,
         pipelined=config.parallelism.pipeline_parallel_degree > 1,
+        plan_lag=config.cost_model.plan_lag,
+        refit=config.cost_model.refit,
     )
 
 
 @contextlib.contextmanager
 def _as_torchtitan_builds(
-    config: SBTrainer.Config, spec: ModelSpec, planning: StepPlanning
+    config: SBTrainer.Config, spec: ModelSpec, balancer: Balancer, source: TokenSource
 ) -> Iterator[bool]:
     """While TorchTitan's Trainer builds its parts: it reads the model spec from the
     config, so the derived one is set there for the build only; the loader's `build(...)`
-    call also passes the step planning, and TensorBoard is left to the recipe (one run
-    folder across restarts, runtime/tensorboard.py). Yields whether TensorBoard was on;
-    the config is restored however the build ends."""
+    call also passes the run's balancer and the source it balances, and TensorBoard is
+    left to the recipe (one run folder across restarts, runtime/tensorboard.py). Yields
+    whether TensorBoard was on; the config is restored however the build ends."""
     loader, tensorboard = config.dataloader, config.metrics.enable_tensorboard
     if isinstance(loader, SBDataLoader.Config):
         config.dataloader = SimpleNamespace(
-            build=functools.partial(loader.build, planning=planning)
+            build=functools.partial(loader.build, balancer=balancer, source=source)
         )
     config.metrics.enable_tensorboard = False
     config.model_spec = spec

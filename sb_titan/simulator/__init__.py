@@ -14,7 +14,7 @@ a CPU with the project's own planner, DST and cost model (docs/simulate.md).
 from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
 from sb_titan.simulator.report import format_table, plot_timelines, report
 from sb_titan.simulator.run import build_simulator, draw_lengths, simulate
-from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_planner
+from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_balancer
 
 __all__ = [
     "SCHEDULES",
@@ -27,7 +27,7 @@ __all__ = [
     "build_simulator",
     "draw_lengths",
     "format_table",
-    "make_planner",
+    "make_balancer",
     "plot_timelines",
     "report",
     "simulate",

@@ -54,7 +54,7 @@ from sb_titan.models.qwen2_5 import FLAVORS
 from sb_titan.simulator.cluster import Cluster, Network
 from sb_titan.simulator.run import draw_lengths
 from sb_titan.simulator.stages import stage_param_count
-from sb_titan.simulator.step import make_planner
+from sb_titan.simulator.step import make_balancer
 
 CP_VARIANTS = ("dense_zigzag", "dense_balanced", "sparse_zigzag", "sparse_balanced")
 
@@ -197,7 +197,7 @@ def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
                       seq_len=cluster.seq_len)  # fmt: skip
     lengths = draw_lengths(packing, sc.steps, sc.seed)
     dst = DSTConfig(beta0=sc.budget, enabled=False)
-    planner = make_planner(
+    balancer = make_balancer(
         lengths, packing, SABConfig(seed=sc.seed), "sequential", pricing.cost_model, dst
     )
     linear = pricing.linear_s(cluster.seq_len / cluster.cp)
@@ -207,7 +207,7 @@ def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
     reduce_s = net.allreduce_seconds(params, cluster.gpus)
     steps: dict[str, list[dict[str, float]]] = {v: [] for v in CP_VARIANTS}
     for _ in range(sc.steps):
-        step = step_variants(planner.next_step(), cluster, pricing, sc.budget, linear + comm)
+        step = step_variants(balancer.next_step().plan, cluster, pricing, sc.budget, linear + comm)
         for v, r in step.items():
             steps[v].append({**r, "step_s": r["step_s"] + reduce_s})
     full_row = np.array([float(cluster.seq_len)])

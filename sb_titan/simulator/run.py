@@ -14,7 +14,7 @@ from sb_titan.models.qwen2_5 import FLAVORS
 from sb_titan.simulator.cluster import Cluster, Scenario
 from sb_titan.simulator.report import report
 from sb_titan.simulator.stages import build_cost_models
-from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_planner
+from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_balancer
 
 
 def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:
@@ -45,28 +45,29 @@ def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
 def simulate(
     cluster: Cluster, sc: Scenario, progress: bool = False
 ) -> tuple[dict[str, Any], dict[str, StepResult]]:
-    """Run every variant for sc.steps steps; (report, step-0 results with timelines)."""
+    """Run every variant for sc.steps steps; (report, step-0 results with timelines).
+    Each variant is a run of its own: one balancer (the trainer's) plans and budgets it."""
     sim = build_simulator(cluster, sc)
     lengths = sc.lengths if sc.lengths is not None else draw_lengths(cluster, sc.steps, sc.seed)
     sab = dataclasses.replace(sc.sab, seed=sc.seed)
-    planners = {
-        policy: make_planner(
-            lengths, cluster, sab, policy, sim.models.planning, sc.dst, sc.selection
+    balancers = {
+        v: make_balancer(
+            lengths,
+            cluster,
+            sab,
+            "sab" if v.startswith("sab") else sc.baseline_policy,
+            sim.models.planning,
+            sim.dst_config(v),
+            sc.selection,
         )
-        for policy in (sc.baseline_policy, "sab")
+        for v in VARIANTS
     }
     results: dict[str, list[StepResult]] = {v: [] for v in VARIANTS}
     first: dict[str, StepResult] = {}
     t0 = time.perf_counter()
     for step in range(sc.steps):
-        plans, planning_s = {}, {}
-        for policy, planner in planners.items():
-            start = time.perf_counter()
-            plans[policy] = planner.next_step()
-            planning_s[policy] = time.perf_counter() - start
         for v in VARIANTS:
-            policy = "sab" if v.startswith("sab") else sc.baseline_policy
-            r = sim.run_step(plans[policy], v, step == 0, planning_s[policy])
+            r = sim.run_step(balancers[v].next_step(), v, step == 0)
             if step == 0:
                 first[v] = r
             results[v].append(r)

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from sb_titan.balance.cost_model import (
-    CostModel,
-)
+from sb_titan.balance.balancer import Balancer, ScheduledStep
+from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.dst import DSTConfig
-from sb_titan.balance.sab import Planner, SABConfig, StepPlan
-from sb_titan.balance.units import step_budgets
+from sb_titan.balance.sab import SABConfig, StepPlan
+from sb_titan.balance.step_shape import StepShape
 from sb_titan.models.qwen2_5 import Qwen25Dims
 from sb_titan.simulator.cluster import Cluster, Network
 from sb_titan.simulator.replay import Timeline, replay
@@ -31,24 +27,7 @@ BASELINE_POLICIES = ("sequential", "tokens")  # what the baseline and DST-only p
 _DST_ON = {"baseline": False, "sab": False, "dst": True, "sab_dst": True}
 
 
-class _PieceCostCache:
-    """cost_model.predict, memoised for single documents (the planner prices every
-    piece alone). The simulator never refits, so that price is a pure function."""
-
-    def __init__(self, cost_model: CostModel) -> None:
-        self.cost_model = cost_model
-        self._memo: dict[tuple[int, float], float] = {}
-
-    def __call__(self, doc_lens: Sequence[int], densities: Sequence[float]) -> float:
-        if len(doc_lens) != 1:
-            return self.cost_model.predict(doc_lens, densities)
-        key = (int(doc_lens[0]), float(densities[0]))
-        if key not in self._memo:
-            self._memo[key] = self.cost_model.predict(doc_lens, densities)
-        return self._memo[key]
-
-
-def make_planner(
+def make_balancer(
     lengths: np.ndarray,
     cluster: Cluster,
     sab: SABConfig,
@@ -56,19 +35,13 @@ def make_planner(
     cost_model: CostModel,
     dst: DSTConfig,
     selection: str = "mass",
-) -> Planner:
-    """The trainer's planner: cost = cost_model.predict, density prior at beta0."""
-    prior = functools.cache(lambda n: cost_model.density_for_budget(dst.beta0, n, selection))
-    return Planner(
-        lengths,
-        seq_len=cluster.seq_len,
-        dp=cluster.dp,
-        microbatches=cluster.microbatches,
-        rows_per_microbatch=cluster.rows,
-        config=dataclasses.replace(sab, policy=policy),
-        cost_fn=_PieceCostCache(cost_model),
-        density_prior=prior,
-    )
+) -> Balancer:
+    """The trainer's balancer for one simulated variant, with a fixed cost model (the
+    simulator never refits): cost = cost_model.predict, density prior at dst.beta0."""
+    shape = StepShape(cluster.seq_len, cluster.dp, cluster.microbatches, cluster.rows)
+    sab = dataclasses.replace(sab, policy=policy)
+    pipelined = cluster.pp > 1
+    return Balancer(lengths, shape, sab, cost_model, dst, selection=selection, pipelined=pipelined)
 
 
 @dataclass
@@ -87,7 +60,7 @@ class StepResult:
     budgets_digest: str  # DSTDecision.digest(): what a trainer rank would log
     padding: float  # share of the step's row capacity left empty
     planning_s: float = 0.0  # measured CPU seconds of SAB planning this step's plan
-    dst_s: float = 0.0  # measured CPU seconds of DST deciding its budgets
+    dst_s: float = 0.0  # measured CPU seconds of DST deciding its budgets (both: the balancer's)
     control_s: float = 0.0  # what of both the step waits for (see Simulator.run_step)
     timeline: Timeline | None = None
 
@@ -128,21 +101,19 @@ class Simulator:
         return out
 
     def run_step(
-        self, plan: StepPlan, variant: str, keep_timeline: bool = False, planning_s: float = 0.0
+        self, scheduled: ScheduledStep, variant: str, keep_timeline: bool = False
     ) -> StepResult:
-        """One variant of one step: budget it, time every stage, replay, reduce.
+        """One variant of one step, as its balancer scheduled it: time every stage,
+        replay, reduce.
 
         The trainer plans and budgets step t+1 in the loader's thread while step t runs
         (cost_model.plan_lag >= 2), so only what planning and DST take beyond the step
         delays training: control_s = max(0, planning_s + dst_s - step_s), both measured
-        on this host's CPU (`planning_s`: the caller's timing of the planner)."""
+        by the balancer on this host's CPU."""
         c = self.cluster
-        start = time.perf_counter()
-        budgets, decision = step_budgets(
-            plan, self.models.planning, self.dst_config(variant), self.selection, c.pp > 1
-        )
-        dst_s = time.perf_counter() - start
-        budgets = np.asarray(budgets)
+        plan, decision = scheduled.plan, scheduled.decision
+        planning_s, dst_s = scheduled.planning_s, scheduled.dst_s
+        budgets = np.asarray(scheduled.budgets)
         total = self.stage_seconds(plan, budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
         tokens = np.array([[mb.num_tokens for mb in rank] for rank in plan.microbatches]).T

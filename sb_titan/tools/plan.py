@@ -19,27 +19,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sb_titan.balance.sab import POLICIES, AnalyticCost, Planner, SABConfig, plan_stats, summarize
+from sb_titan.balance.sab import POLICIES, AnalyticCost, SABConfig, plan_stats, summarize
 from sb_titan.data.longtail import longtail_v1
 
-if TYPE_CHECKING:  # step_shape imports torch: the work needs it, --help does not
+if TYPE_CHECKING:  # these import torch: the work needs it, --help does not
+    from sb_titan.balance.balancer import Balancer
     from sb_titan.balance.step_shape import StepShape
 
 DEFAULT_WORLD = 8
 TIMING_REPEATS = 3  # planning throughput is the best of this many runs (least disturbed)
-
-
-def shape_planner(lengths: np.ndarray, shape: StepShape, sab: SABConfig, cost_fn) -> Planner:
-    """A planner for steps of `shape` (what the loader would build for that shape)."""
-    return Planner(
-        lengths,
-        seq_len=shape.seq_len,
-        dp=shape.dp,
-        microbatches=shape.microbatches,
-        rows_per_microbatch=shape.rows,
-        config=sab,
-        cost_fn=cost_fn,
-    )
 
 
 def evaluate(
@@ -48,23 +36,26 @@ def evaluate(
     sab: SABConfig,
     steps: int,
     attention_share: float = 0.6,
-    setup: Callable[[Planner], None] | None = None,
+    setup: Callable[[Balancer], None] | None = None,
 ) -> dict[str, float]:
-    """Plan `steps` steps; mean per-step statistics plus planning samples/s. `setup`
-    prepares each fresh planner (e.g. feeds it observed densities)."""
+    """Plan `steps` steps with the trainer's balancer, priced by the analytic cost
+    (no cost model: no DST); mean per-step statistics plus planning samples/s. `setup`
+    prepares each fresh balancer (e.g. feeds it observed densities)."""
+    from sb_titan.balance.balancer import Balancer
+
     cost = AnalyticCost(shape.seq_len, attention_share)
     best = float("inf")
     for _ in range(TIMING_REPEATS):
-        p = shape_planner(lengths, shape, sab, cost)
+        b = Balancer(lengths, shape, sab, cost_fn=cost)
         if setup is not None:
-            setup(p)
+            setup(b)
         start = time.perf_counter()
-        plans = [p.next_step() for _ in range(steps)]
+        plans = [b.next_step().plan for _ in range(steps)]
         best = min(best, time.perf_counter() - start)
     stats = [plan_stats(plan, shape.seq_len, cost) for plan in plans]
     out = summarize(stats)
     out["samples_per_s"] = sum(s.pieces for s in stats) / best
-    out["dropped"] = p.dropped
+    out["dropped"] = b.planner.dropped
     return out
 
 

@@ -46,6 +46,7 @@ from sb_titan.data.readers import (
     validate,
 )
 from sb_titan.data.tokenizer import TOKENIZER_DIR, load_tokenizer, special_tokens
+from sb_titan.util.progress import Progress
 
 BATCH_DOCS = 256  # documents tokenized per encode_batch call
 SHOW_MALFORMED = 20  # locations printed; the full list goes to DIR/malformed.txt
@@ -75,36 +76,6 @@ def have_pyarrow() -> bool:
 
 
 # -- progress --------------------------------------------------------------------------
-class Progress:
-    """tqdm over input bytes when available, else a plain stderr line now and then."""
-
-    def __init__(self, total: int, enabled: bool, desc: str = "sb-prep") -> None:
-        self.total, self.done, self._shown = total, 0, -1
-        self.enabled, self._desc = enabled, desc
-        self._bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self._bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
-            except ImportError:
-                pass
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self._bar is not None:
-            self._bar.update(n)
-        elif self.enabled:
-            pct = int(100 * self.done / max(self.total, 1))
-            if pct // 5 != self._shown:
-                self._shown = pct // 5
-                print(f"{self._desc}: {pct}% of {self.total} bytes", file=sys.stderr)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
 # -- the pipeline ----------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Specials:
