@@ -23,7 +23,7 @@ def _report(trainer: Trainer) -> None:
         return
     (model,) = trainer.model_parts
     attention = [m for m in model.modules() if isinstance(m, SBAttention)]
-    profile = trainer.cost_model.profile
+    profile = trainer.balancer.cost_model.profile
     built = {
         "layers": len(model.layers),
         "params": sum(p.numel() for p in model.parameters()),
