@@ -227,9 +227,9 @@ def arch_tables(arch: str) -> list[str]:
     return [arch] + (["common"] if TILE_TABLES["common"] != TILE_TABLES[arch] else [])
 
 
-def shipped_specs(table: str) -> Iterator[KernelSpec]:
+def shipped_specs(table: str, estimator: bool = True) -> Iterator[KernelSpec]:
     """Every kernel at every shipped (dtype, head_dim, block size), attention kernels
-    from tile table `table`."""
+    from tile table `table`; the estimator's (one table of its own) if `estimator`."""
     for torch_dtype in SHIPPED_DTYPES:
         dt = TRITON_DTYPE_NAMES[torch_dtype]
         for d in SHIPPED_HEAD_DIMS:
@@ -247,6 +247,8 @@ def shipped_specs(table: str) -> Iterator[KernelSpec]:
                 yield KernelSpec(
                     "bwd_preprocess", attn_bwd_dq._bwd_preprocess_kernel, dt, d, bs, t, ce, table
                 )
+                if not estimator:
+                    continue
                 et = est.est_tiles(torch_dtype, d, bs)
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, CHUNK=et.pool.block_m)
                 yield KernelSpec("est_pool", est._pool_kernel, dt, d, bs, et.pool, ce)
@@ -567,11 +569,16 @@ def full_report(
     spills: bool = True,
     specs: Iterable[KernelSpec] | None = None,
 ) -> list[ResUsage]:
-    """`specs` on every arch; by default the attention and estimator kernels of every
-    tile table that runs on an arch (`arch_tables`), on that arch."""
+    """`specs` on every arch; by default the attention kernels of every tile table that
+    runs on an arch (`arch_tables`) and the estimator's, on that arch."""
     tool = cuobjdump_path()
     if specs is None:
-        jobs = [(s, a) for a in archs for t in arch_tables(a) for s in shipped_specs(t)]
+        jobs = [
+            (s, a)
+            for a in archs
+            for i, t in enumerate(arch_tables(a))
+            for s in shipped_specs(t, estimator=i == 0)
+        ]
     else:
         jobs = [(s, a) for s in specs for a in archs]
     return [report(spec, arch, tool, spills) for spec, arch in jobs]
