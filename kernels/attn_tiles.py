@@ -53,8 +53,10 @@ _COMMON: dict[tuple[int, int], AttnTiles] = {
         fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(64, 32, 8, 3)
     ),
 }
-#: sm_80 alone (`--sweep --arch sm_80`): the common table, but at D=128, Bs=128 dQ and
-#: dK/dV get twice the area (they spill or duplicate MMAs on sm_90a, not on sm_80)
+#: sm_80 alone: the pick rule over the sm_80 rows of the joint sweep (kernels_sweep.json,
+#: Triton 3.9; the two changed tiles also pass with 3.6) is the common table except at
+#: D=128, Bs=128, where dQ and dK/dV get twice the area (they spill or duplicate MMAs
+#: on sm_90a, not on sm_80)
 _SM80: dict[tuple[int, int], AttnTiles] = {
     **_COMMON,
     (128, 128): AttnTiles(

@@ -459,6 +459,53 @@ def test_committed_report_keeps_the_mma_the_table_promises(path: Path) -> None:
     )
 
 
+def _sweep_row(kernel, tile, instr, ctas, ok=True, arch="sm_90a") -> dict:
+    return {"kernel": kernel, "head_dim": 64, "block_size": 128, "arch": arch, "ok": ok,
+            "source": "cuobjdump", "mma_instr": instr, "occupancy": {"ctas": ctas},
+            **tile._asdict()}  # fmt: skip
+
+
+def test_sm90a_sweep_prefers_wgmma_then_area_then_ctas() -> None:
+    """The pick rule on hand-made sweep rows of two Tritons: a tile must pass in both;
+    wgmma beats a larger mma.sync tile; at equal shape more CTAs per SM (the fewer of
+    the two sweeps') beats more stages."""
+    import importlib.util
+
+    from sb_titan_kernels.common import Tile
+
+    spec = importlib.util.spec_from_file_location("kr", ROOT / "bench" / "kernels_report.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+    big, small2, small3, spills = (
+        Tile(128, 128, 8, 3), Tile(64, 128, 8, 2), Tile(64, 128, 8, 3), Tile(32, 128, 4, 3)
+    )  # fmt: skip
+    ours = [
+        _sweep_row("bwd_dkdv", big, "mma.sync", 1),
+        _sweep_row("bwd_dkdv", small2, "wgmma", 2),
+        _sweep_row("bwd_dkdv", small3, "wgmma", 2),
+        _sweep_row("bwd_dkdv", spills, "wgmma", 1),
+    ]
+    other = [
+        _sweep_row("bwd_dkdv", big, "mma.sync", 1),
+        _sweep_row("bwd_dkdv", small2, "wgmma", 2),
+        _sweep_row("bwd_dkdv", small3, "wgmma", 1),  # fewer CTAs on the other Triton
+        _sweep_row("bwd_dkdv", spills, "wgmma", 1, ok=False),  # spills there
+    ]
+    ok = kr.passing(ours)[("bwd_dkdv", 64, 128)]
+    both = [t for t in ok if t in kr.passing(other)[("bwd_dkdv", 64, 128)]]
+    assert spills in ok and spills not in both
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(ours, other)) == small2
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(ours)) == small3  # 2 vs 2 CTAs
+    # a joint sweep (both arches) ignores the instruction and the CTAs: the area wins
+    joint = ours + [{**r, "arch": "sm_80"} for r in ours]
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(joint)) == big
+    # wgmma's M is the resident rows: 64 per warp group (BLOCK_N for dK/dV, BLOCK_M fwd)
+    assert kr.wgmma_shaped("bwd_dkdv", small2) and not kr.wgmma_shaped(
+        "bwd_dkdv", Tile(128, 64, 8, 3)
+    )
+    assert kr.wgmma_shaped("fwd", big) and not kr.wgmma_shaped("fwd", small2)
+
+
 def test_tile_table_by_device_and_setting(monkeypatch) -> None:
     from sb_titan_kernels.attn_tiles import TILES_ENV, attn_tiles, tile_table
 
