@@ -57,6 +57,8 @@ BETAS = (0.1, 0.3, 0.5)
 POLICIES = ("topk", "mass")
 BLOCKS = (64, 128)
 LAYOUTS = ("one_doc", "packed", "short")
+#: the tile table of the census: the one its committed figures were counted on
+CENSUS_TABLE = "common"
 KV_HEADS = 2  # the table's kv heads (Qwen2.5-0.5B has 2); q gets one head per kv head
 HEAD_DIM = 64  # of the q/k that selection scores
 #: head_dim -> (q heads, kv heads) of the models the workspace is sized for (GQA 7:1)
@@ -153,7 +155,7 @@ def balance(table: BlockTable, L: int) -> dict:
         workspace[d] = per_head * hkv * bs * d * 4 * 2
         fa_dq[d] = hq * L * d * 4
     # programs per block at D=64: key sub-tiles (dK/dV), query sub-tiles x G (forward)
-    tiles = attn_tiles(torch.bfloat16, 64, bs)
+    tiles = attn_tiles(torch.bfloat16, 64, bs, CENSUS_TABLE)
     nsub_n, nsub_m = bs // tiles.dkdv.block_n, bs // tiles.fwd.block_m
     group = MODEL_HEADS[64][0] // MODEL_HEADS[64][1]
     fwd_order = torch.argsort(kv_count, descending=True, stable=True)
@@ -226,7 +228,7 @@ def subtile_census(
         torch.arange(table.kv_count.numel()), table.kv_count.flatten().long()
     )
     qb, kb = row % nb, table.kv_index.long()
-    tiles = attn_tiles(torch.bfloat16, head_dim, bs)
+    tiles = attn_tiles(torch.bfloat16, head_dim, bs, CENSUS_TABLE)
     out = {}
     for kind, t in (("fwd", tiles.fwd), ("dkdv", tiles.dkdv)):
         sm = torch.arange(bs // t.block_m) * t.block_m

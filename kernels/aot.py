@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -37,7 +38,7 @@ from . import attn_bwd_dkdv, attn_bwd_dq, attn_fwd
 from . import block_max as bmx
 from . import estimator as est
 from .attn_common import SCAN
-from .attn_tiles import REDUCE_TILE, attn_tiles
+from .attn_tiles import REDUCE_TILE, TILE_TABLES, attn_tiles
 from .common import (
     FP_FUSION,
     SHIPPED_BLOCK_SIZES,
@@ -48,8 +49,46 @@ from .common import (
     launch_opts,
 )
 
-#: arch name -> (compute capability, max dynamic shared memory per block in bytes)
-ARCHS: dict[str, tuple[int, int]] = {"sm_80": (80, 163 * 1024), "sm_90a": (90, 227 * 1024)}
+
+class Arch(NamedTuple):
+    """A compile target and the per-SM limits that set how many CTAs fit on one SM
+    (CUDA's occupancy rules for compute capability 8.0 / 9.0)."""
+
+    cap: int  # compute capability as Triton's GPUTarget takes it (90 -> sm_90a)
+    smem_per_block: int  # max dynamic shared memory of one CTA, bytes
+    smem_per_sm: int  # shared memory of one SM at the largest carve-out, bytes
+    regs_per_sm: int = 65536
+    max_ctas: int = 32
+    max_warps: int = 64
+
+
+#: the two targets: A100 (sm_80) and H100 (sm_90a)
+ARCHS: dict[str, Arch] = {
+    "sm_80": Arch(80, 163 * 1024, 164 * 1024),
+    "sm_90a": Arch(90, 227 * 1024, 228 * 1024),
+}
+#: CUDA reserves 1 KiB of shared memory per CTA (compute capability >= 8.0)
+SMEM_RESERVED = 1024
+#: registers go to warps in units of 256 (8 per thread), from the register file of one
+#: of the SM's 4 sub-partitions
+REG_UNIT, SUB_PARTITIONS = 256, 4
+
+
+def ctas_per_sm(arch: str, regs: int, shared: int, num_warps: int) -> dict[str, int]:
+    """CTAs of one kernel resident on an SM, as CUDA's occupancy calculator counts them:
+    per limit (registers, shared memory, warps, CTA slots) and the minimum (`ctas`)."""
+    a = ARCHS[arch]
+    per_warp = -(-regs * 32 // REG_UNIT) * REG_UNIT
+    warps_by_regs = a.regs_per_sm // SUB_PARTITIONS // per_warp * SUB_PARTITIONS
+    smem = -(-(shared + SMEM_RESERVED) // 128) * 128
+    limits = {
+        "regs": warps_by_regs // num_warps,
+        "smem": a.smem_per_sm // smem,
+        "warps": a.max_warps // num_warps,
+        "slots": a.max_ctas,
+    }
+    return {"ctas": min(limits.values()), **limits}
+
 
 _INT_PTRS = {"DOC", "DOC_START", "DOC_END", "KV_INDEX", "Q_INDEX", "ORDER"}
 _I64_PTRS = {"KV_PTR", "Q_PTR", "ITEMS", "SPLITS"}
@@ -69,6 +108,7 @@ class KernelSpec:
     block_size: int
     tile: Tile
     constexprs: dict[str, object]
+    table: str = ""  # the attention tile table it comes from ("" for the others)
 
 
 @dataclass
@@ -80,6 +120,7 @@ class ResUsage:
     head_dim: int
     block_size: int
     arch: str
+    table: str
     block_m: int
     block_n: int
     num_warps: int
@@ -112,9 +153,33 @@ class ResUsage:
     def ok(self) -> bool:
         return self.shared <= self.shared_limit and self.spill_free and self.mma_exact
 
+    @property
+    def mma_count(self) -> dict[str, int]:
+        """Tensor-core instructions in the PTX by kind ("wgmma" / "mma.sync")."""
+        out: dict[str, int] = {}
+        for d in self.mma_dots:
+            kind = d["instr"].split()[0]
+            out[kind] = out.get(kind, 0) + d["count"]
+        return out
+
+    @property
+    def mma_instr(self) -> str | None:
+        """The MMA instruction every dot uses ("wgmma", "mma.sync", or "mixed"); None
+        for a kernel without dots."""
+        kinds = set(self.mma_count)
+        return None if not kinds else kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def occupancy(self) -> dict[str, int] | None:
+        """CTAs per SM (`ctas_per_sm`); None without a register count."""
+        if self.regs is None:
+            return None
+        return ctas_per_sm(self.arch, self.regs, self.shared, self.num_warps)
+
     def as_dict(self) -> dict:
         extra = {"spill_free": self.spill_free, "mma_exact": self.mma_exact, "ok": self.ok}
-        return {**asdict(self), **extra}
+        extra |= {"mma_count": self.mma_count, "mma_instr": self.mma_instr}
+        return {**asdict(self), **extra, "occupancy": self.occupancy}
 
 
 def _signature(fn, dtype: str, constexprs: dict[str, object]) -> tuple[dict, dict]:
@@ -142,8 +207,10 @@ def _signature(fn, dtype: str, constexprs: dict[str, object]) -> tuple[dict, dic
 ATTN_TILED: dict[str, str] = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}
 
 
-def attn_spec(kernel: str, dtype: str, head_dim: int, block_size: int, tile: Tile) -> KernelSpec:
-    """A tiled attention kernel (a key of ATTN_TILED) at any tile, for the table or a sweep."""
+def attn_spec(
+    kernel: str, dtype: str, head_dim: int, block_size: int, tile: Tile, table: str = ""
+) -> KernelSpec:
+    """A tiled attention kernel (a key of ATTN_TILED) at any tile, for a table or a sweep."""
     fn = {
         "fwd": attn_fwd._fwd_kernel,
         "bwd_dq": attn_bwd_dq._bwd_dq_kernel,
@@ -151,28 +218,37 @@ def attn_spec(kernel: str, dtype: str, head_dim: int, block_size: int, tile: Til
     }
     ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_F32=False, SCAN=SCAN)
     ce.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
-    return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce)
+    return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce, table)
 
 
-def shipped_specs() -> Iterator[KernelSpec]:
-    """Every kernel at every shipped (dtype, head_dim, block size), from the tile tables."""
+def arch_tables(arch: str) -> list[str]:
+    """The attention tile tables that run on `arch`: its own (a launch's default there),
+    and "common" (SB_TRITON_TILES=common) where that one differs."""
+    return [arch] + (["common"] if TILE_TABLES["common"] != TILE_TABLES[arch] else [])
+
+
+def shipped_specs(table: str, estimator: bool = True) -> Iterator[KernelSpec]:
+    """Every kernel at every shipped (dtype, head_dim, block size), attention kernels
+    from tile table `table`; the estimator's (one table of its own) if `estimator`."""
     for torch_dtype in SHIPPED_DTYPES:
         dt = TRITON_DTYPE_NAMES[torch_dtype]
         for d in SHIPPED_HEAD_DIMS:
             for bs in SHIPPED_BLOCK_SIZES:
-                tiles = attn_tiles(torch_dtype, d, bs)
+                tiles = attn_tiles(torch_dtype, d, bs, table)
                 for name, which in ATTN_TILED.items():
-                    yield attn_spec(name, dt, d, bs, getattr(tiles, which))
+                    yield attn_spec(name, dt, d, bs, getattr(tiles, which), table)
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=tiles.dkdv.block_n)
                 t = REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
                 yield KernelSpec(
-                    "bwd_dkdv_reduce", attn_bwd_dkdv._dkdv_reduce_kernel, dt, d, bs, t, ce
+                    "bwd_dkdv_reduce", attn_bwd_dkdv._dkdv_reduce_kernel, dt, d, bs, t, ce, table
                 )
                 t = tiles.preprocess
                 ce = dict(HEAD_DIM=d, BLOCK_M=t.block_m)
                 yield KernelSpec(
-                    "bwd_preprocess", attn_bwd_dq._bwd_preprocess_kernel, dt, d, bs, t, ce
+                    "bwd_preprocess", attn_bwd_dq._bwd_preprocess_kernel, dt, d, bs, t, ce, table
                 )
+                if not estimator:
+                    continue
                 et = est.est_tiles(torch_dtype, d, bs)
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, CHUNK=et.pool.block_m)
                 yield KernelSpec("est_pool", est._pool_kernel, dt, d, bs, et.pool, ce)
@@ -200,7 +276,7 @@ def block_max_specs() -> Iterator[KernelSpec]:
 
 def compile_spec(spec: KernelSpec, arch: str):
     """triton.compile for one arch; returns Triton's CompiledKernel (cached on disk)."""
-    cap, _ = ARCHS[arch]
+    cap = ARCHS[arch].cap
     sig, attrs = _signature(spec.fn, spec.dtype, spec.constexprs)
     src = ASTSource(spec.fn, sig, spec.constexprs, attrs)
     return triton.compile(src, target=GPUTarget("cuda", cap, 32), options=launch_opts(spec.tile))
@@ -243,7 +319,7 @@ def ptxas_spills(ptx: str, arch: str) -> tuple[int, int] | None:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
-        ptxas = get_ptxas(ARCHS[arch][0]).path
+        ptxas = get_ptxas(ARCHS[arch].cap).path
     except (ImportError, AttributeError, RuntimeError, FileNotFoundError):
         return None
     fmad = [] if FP_FUSION else ["--fmad=false"]
@@ -471,13 +547,14 @@ def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -
         head_dim=spec.head_dim,
         block_size=spec.block_size,
         arch=arch,
+        table=spec.table,
         block_m=t.block_m,
         block_n=t.block_n,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
         regs=regs,
         shared=shared,
-        shared_limit=ARCHS[arch][1],
+        shared_limit=ARCHS[arch].smem_per_block,
         local=local,
         stack=stack,
         spill_stores=counts[0],
@@ -492,7 +569,16 @@ def full_report(
     spills: bool = True,
     specs: Iterable[KernelSpec] | None = None,
 ) -> list[ResUsage]:
-    """`specs` (default: shipped_specs(), the attention and estimator kernels) on every arch."""
+    """`specs` on every arch; by default the attention kernels of every tile table that
+    runs on an arch (`arch_tables`) and the estimator's, on that arch."""
     tool = cuobjdump_path()
-    specs = shipped_specs() if specs is None else specs
-    return [report(spec, arch, tool, spills) for spec in specs for arch in archs]
+    if specs is None:
+        jobs = [
+            (s, a)
+            for a in archs
+            for i, t in enumerate(arch_tables(a))
+            for s in shipped_specs(t, estimator=i == 0)
+        ]
+    else:
+        jobs = [(s, a) for s in specs for a in archs]
+    return [report(spec, arch, tool, spills) for spec, arch in jobs]

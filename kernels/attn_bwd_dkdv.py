@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .attn_common import SCAN, Prepared, iter_bounds, strides3
-from .attn_tiles import REDUCE_TILE, attn_tiles
+from .attn_tiles import REDUCE_TILE, attn_tiles, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -249,7 +249,7 @@ def attn_bwd_dkdv(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch
     q, k, v = p.q, p.k, p.v
     B, H, L, D = q.shape
     Hkv, bs, nb = k.shape[1], p.block_size, p.q_ptr.shape[-1] - 1
-    t = attn_tiles(q.dtype, D, bs).dkdv
+    t = attn_tiles(q.dtype, D, bs, tile_table(q.device)).dkdv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     plan = plan_dkdv(p.q_ptr, p.q_index.numel())
     parts = [torch.empty((max(plan.num_partials, 1), bs, D), device=q.device, dtype=torch.float32)]

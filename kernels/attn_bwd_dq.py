@@ -21,7 +21,7 @@ from .attn_common import (
     row_keep,
     strides3,
 )
-from .attn_tiles import attn_tiles
+from .attn_tiles import attn_tiles, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -146,7 +146,7 @@ def attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, block_size: int) ->
     """delta = rowsum(dO * O), [B, H, L] fp32."""
     B, H, L, D = out.shape
     delta = torch.empty((B, H, L), device=out.device, dtype=torch.float32)
-    t = attn_tiles(out.dtype, D, block_size).preprocess
+    t = attn_tiles(out.dtype, D, block_size, tile_table(out.device)).preprocess
     _bwd_preprocess_kernel[(triton.cdiv(L, t.block_m), B * H)](
         out, do, delta, *strides3(out), *strides3(do), L, H,
         HEAD_DIM=D, BLOCK_M=t.block_m, **launch_opts(t),
@@ -158,7 +158,7 @@ def attn_bwd_dq(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch.T
     """dQ over the kv table (query block -> its kept key blocks)."""
     q, k = p.q, p.k
     B, H, L, D = q.shape
-    t = attn_tiles(q.dtype, D, p.block_size).dq
+    t = attn_tiles(q.dtype, D, p.block_size, tile_table(q.device)).dq
     dq = torch.empty_like(q)
     order = query_order(p.kv_ptr)
     grid = (order.numel() * (p.block_size // t.block_m) * (H // k.shape[1]),)

@@ -21,7 +21,7 @@ from .attn_common import (
     row_keep,
     strides3,
 )
-from .attn_tiles import attn_tiles
+from .attn_tiles import attn_tiles, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -113,7 +113,7 @@ def attn_fwd(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like q, lse [B, Hq, L] fp32 in log2 units) over the kv table."""
     q, k = p.q, p.k
     B, H, L, D = q.shape
-    t = attn_tiles(q.dtype, D, p.block_size).fwd
+    t = attn_tiles(q.dtype, D, p.block_size, tile_table(q.device)).fwd
     out = torch.empty_like(q)
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     order = query_order(p.kv_ptr)

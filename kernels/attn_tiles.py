@@ -1,12 +1,15 @@
-"""Tile table of the block-sparse attention kernels, one for runtime and AOT.
+"""Tile tables of the block-sparse attention kernels, one per arch, for runtime and AOT.
 
-(dtype, head_dim, block size Bs) -> the tile of each kernel family. The launchers
-(attn_fwd.py, attn_bwd_dq.py, attn_bwd_dkdv.py) and aot.py read the same entries, so
-what ships is what the AOT report checked.
+(table, dtype, head_dim, block size Bs) -> the tile of each kernel family. A launch
+takes the table of its device (`tile_table`: sm_90a on Hopper, sm_80 elsewhere) unless
+SB_TRITON_TILES names one; "common" is the table chosen for both arches at once, kept
+for comparison. The launchers (attn_fwd.py, attn_bwd_dq.py, attn_bwd_dkdv.py) and
+aot.py read the same entries, so what ships is what the AOT report checked.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -23,17 +26,20 @@ class AttnTiles(NamedTuple):
     dkdv: Tile
 
 
-# One table for runtime and AOT: (dtype name, head_dim, block size Bs) -> tiles. Tiles
-# divide Bs so every tile lies inside one sparse block. Picked by the AOT sweep
-# `python bench/kernels_report.py --sweep` (bf16, sm_80 and sm_90a, see docs/kernels.md):
+# Tiles divide Bs so every tile lies inside one sparse block. Picked by the AOT sweep
+# `python bench/kernels_report.py --sweep [--arch ARCH]` (bf16, see docs/kernels.md):
 # among tiles with no spills, shared memory within the limit and no duplicated MMA work
 # (mma_ratio 1: with 8 warps on a 64-row tile of chained dots, Triton lays the warps
-# along M only and two warp groups issue the same MMAs) on both arches, the largest
-# tile area, then the larger resident dimension, then fewer warps, then more stages.
+# along M only and two warp groups issue the same MMAs), on sm_90a tiles that issue
+# wgmma first, then the largest tile area, then the larger resident dimension, then
+# (sm_90a) more CTAs per SM, then fewer warps, then more stages.
 _PRE = Tile(64, 0, 4, 1)
 #: the dK/dV partial sum: a streaming add over BLOCK_N x D tiles (BLOCK_N is dK/dV's)
 REDUCE_TILE = Tile(0, 0, 8, 1)
-_BY_SHAPE: dict[tuple[int, int], AttnTiles] = {
+#: "common": one tile that passes on sm_80 and sm_90a alike (the only table before the
+#: per-arch ones); on sm_90a its 32-key-row dK/dV tiles (D=64 Bs=64, and D=128) run
+#: Ampere's mma.sync
+_COMMON: dict[tuple[int, int], AttnTiles] = {
     (64, 64): AttnTiles(
         fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 3), dkdv=Tile(64, 32, 4, 3)
     ),
@@ -47,17 +53,82 @@ _BY_SHAPE: dict[tuple[int, int], AttnTiles] = {
         fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 32, 8, 3), dkdv=Tile(64, 32, 8, 3)
     ),
 }
-ATTN_CONFIGS: dict[tuple[str, int, int], AttnTiles] = {
-    (dt, d, bs): tiles for dt in ("bf16", "fp16") for (d, bs), tiles in _BY_SHAPE.items()
+#: sm_80 alone: the pick rule over the sm_80 rows of the joint sweep (kernels_sweep.json,
+#: Triton 3.9; the two changed tiles also pass with 3.6) is the common table except at
+#: D=128, Bs=128, where dQ and dK/dV get twice the area (they spill or duplicate MMAs
+#: on sm_90a, not on sm_80)
+_SM80: dict[tuple[int, int], AttnTiles] = {
+    **_COMMON,
+    (128, 128): AttnTiles(
+        fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(64, 128, 8, 2), dkdv=Tile(64, 64, 8, 2)
+    ),
 }
+#: sm_90a alone (`--sweep --arch sm_90a --and-sweep <Triton 3.6's sweep>`): every tile
+#: issues wgmma and passes on Triton 3.9 and 3.6, except dK/dV at D=128, Bs=64, where
+#: no wgmma tile is spill-free on both; it keeps the common mma.sync tile there
+_SM90A: dict[tuple[int, int], AttnTiles] = {
+    (64, 64): AttnTiles(
+        fwd=Tile(64, 64, 4, 2), preprocess=_PRE, dq=Tile(64, 64, 4, 2), dkdv=Tile(32, 64, 4, 3)
+    ),
+    (64, 128): AttnTiles(
+        fwd=Tile(128, 128, 8, 3), preprocess=_PRE, dq=Tile(128, 128, 8, 3), dkdv=Tile(64, 128, 8, 3)
+    ),
+    (128, 64): AttnTiles(
+        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 2), dkdv=Tile(64, 32, 8, 3)
+    ),
+    (128, 128): AttnTiles(
+        fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 64, 8, 3), dkdv=Tile(16, 128, 8, 3)
+    ),
+}
+#: sm_90a with the open alternative at D=128, Bs=64: dK/dV on the wgmma tile 16x64,
+#: 4 warps, 2 stages, spill-free on Triton 3.9 but 8 bytes of spill on 3.6. Which of
+#: the two is faster needs a GPU; AOT checks only tables that must pass on both Tritons
+_SM90A_WGMMA: dict[tuple[int, int], AttnTiles] = {
+    **_SM90A,
+    (128, 64): _SM90A[(128, 64)]._replace(dkdv=Tile(16, 64, 4, 2)),
+}
+#: (kernel field, head_dim, Bs) where the sm_90a table keeps an mma.sync tile because no
+#: wgmma tile passes the sweep (docs/kernels.md lists the candidates tried); everywhere
+#: else its tiles issue wgmma (tests/test_kernels.py checks it in the reports' PTX)
+SM90A_MMA_SYNC: frozenset[tuple[str, int, int]] = frozenset({("dkdv", 128, 64)})
+#: table name -> (head_dim, Bs) -> tiles
+TILE_TABLES: dict[str, dict[tuple[int, int], AttnTiles]] = {
+    "sm_80": _SM80,
+    "sm_90a": _SM90A,
+    "sm_90a_wgmma": _SM90A_WGMMA,
+    "common": _COMMON,
+}
+ATTN_CONFIGS: dict[tuple[str, str, int, int], AttnTiles] = {
+    (table, dt, d, bs): tiles
+    for table, by_shape in TILE_TABLES.items()
+    for dt in ("bf16", "fp16")
+    for (d, bs), tiles in by_shape.items()
+}
+#: names a table for every launch (e.g. "common"); unset or "auto": by the device
+TILES_ENV = "SB_TRITON_TILES"
 
 
-def attn_tiles(dtype: torch.dtype, head_dim: int, block_size: int) -> AttnTiles:
+def tile_table(device: torch.device) -> str:
+    """The table a launch on `device` takes: SB_TRITON_TILES when set, else sm_90a on
+    compute capability 9.x (wgmma) and sm_80 anywhere else (Ampere and later, and the
+    interpreter's CPU tensors). Read at every launch, so a process can switch tables."""
+    name = os.environ.get(TILES_ENV, "auto")
+    if name == "auto":
+        cuda = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        return "sm_90a" if cuda else "sm_80"
+    if name not in TILE_TABLES:
+        raise ValueError(f"{TILES_ENV}={name!r}: expected auto or one of {sorted(TILE_TABLES)}")
+    return name
+
+
+def attn_tiles(dtype: torch.dtype, head_dim: int, block_size: int, table: str) -> AttnTiles:
     """Tiles for a launch; fp32 (checking only) reuses the bf16 tiles with one stage."""
     name = config_dtype(dtype)
-    key = (name, head_dim, block_size)
+    key = (table, name, head_dim, block_size)
     if name is None or key not in ATTN_CONFIGS:
-        raise ValueError(f"no tile config for dtype={dtype} head_dim={head_dim} Bs={block_size}")
+        raise ValueError(
+            f"no tile config for table={table} dtype={dtype} head_dim={head_dim} Bs={block_size}"
+        )
     tiles = ATTN_CONFIGS[key]
     for t in (tiles.fwd, tiles.dq, tiles.dkdv):
         assert block_size % t.block_m == 0 and block_size % t.block_n == 0, (key, t)

@@ -122,7 +122,7 @@ def test_subtile_census_on_a_full_table():
     assert fwd["pairs"] == 10 and fwd["interior"] == pytest.approx(0.6)
     assert fwd["masked"] == pytest.approx(0.4) and fwd["dead"] == 0
     # dK/dV: every sub-tile pair of a diagonal block is mixed, none dead
-    t = attn_tiles(torch.bfloat16, 64, 64).dkdv
+    t = attn_tiles(torch.bfloat16, 64, 64, bench.CENSUS_TABLE).dkdv
     assert dkdv["pairs"] == 10 * (64 // t.block_m) * (64 // t.block_n)
     assert dkdv["interior"] == pytest.approx(0.6)
     # two documents split mid-block: the second block's keys are dead for the first rows

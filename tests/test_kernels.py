@@ -76,7 +76,7 @@ DOCS_4K = [[1000, 50, 3046], [4096]]
 # Many short documents (some shorter than a tile, some starting mid-tile): dead sub-tiles
 # are skipped and interior ones unmasked, so every tile class is exercised.
 DOCS_SHORT = [[20, 5, 40, 64, 71], [130, 1, 1, 68]]
-DOCS = {"200": DOCS_200, "4k": DOCS_4K, "short": DOCS_SHORT}
+DOCS = {"200": DOCS_200, "4k": DOCS_4K, "short": DOCS_SHORT, "short1": DOCS_SHORT[:1]}
 
 
 class AttnCase(NamedTuple):
@@ -117,6 +117,10 @@ GPU_CASES: dict[str, AttnCase] = {
 # relative tolerance on max|err| / max|ref|: fp32 is exact up to summation order,
 # half types round P and the outputs (bf16 has 8 mantissa bits).
 REL_TOL = {"float32": 2e-5, "bfloat16": 2.5e-2, "float16": 4e-3}
+
+
+#: the tile table the interpreter's launches take by default (CPU tensors: not Hopper)
+DEFAULT_TILES = "sm_80"
 
 
 def _attn_case(name: str, case: AttnCase, device: str = "cpu") -> dict[str, list[float]]:
@@ -221,10 +225,49 @@ EST_CASES: dict[str, Callable[[str], dict]] = {
 }
 
 
+def _tiles_used(table: str, d: int, bs: int) -> set[tuple]:
+    """(kernel, D, Bs, BLOCK_M, BLOCK_N) of the tiled kernels at one shape: what the
+    interpreter's result depends on (warps and stages do not reach it)."""
+    from sb_titan_kernels.attn_tiles import TILE_TABLES
+
+    tiles = TILE_TABLES[table][(d, bs)]
+    kinds = zip(("fwd", "dq", "dkdv"), (tiles.fwd, tiles.dq, tiles.dkdv), strict=True)
+    return {(k, d, bs, t.block_m, t.block_n) for k, t in kinds}
+
+
+def _tile_table_cases(covered: set[tuple]) -> dict[str, dict]:
+    """Every other tile table (SB_TRITON_TILES), at each (D, Bs) where it has a tile the
+    runs so far have not: one small fp32 case (GQA 2:1 on one kv head, random table, one
+    row of short documents)."""
+    import os
+
+    from sb_titan_kernels.attn_tiles import TILE_TABLES, TILES_ENV
+
+    out = {}
+    for table, by_shape in TILE_TABLES.items():
+        for d, bs in by_shape:
+            used = _tiles_used(table, d, bs)
+            if used <= covered:
+                continue
+            name = f"tiles-{table}-fp32-d{d}-bs{bs}-gqa2-random-short1"
+            os.environ[TILES_ENV] = table
+            try:
+                result = _attn_case(name, AttnCase("float32", d, bs, 2, 1, "random", docs="short1"))
+            finally:
+                del os.environ[TILES_ENV]
+            covered |= used
+            out[name] = {"errors": result, "tiles": sorted(used)}
+    return out
+
+
 def _child_numerics() -> dict:
     torch.set_num_threads(1)
     out = {name: _attn_case(name, case) for name, case in ATTN_CASES.items()}
     out.update({name: fn("cpu") for name, fn in EST_CASES.items()})
+    covered = set().union(
+        *(_tiles_used(DEFAULT_TILES, c.head_dim, c.block) for c in ATTN_CASES.values())
+    )
+    out["tile_tables"] = _tile_table_cases(covered)
     return out
 
 
@@ -312,6 +355,31 @@ def test_estimator_matches_reference(numerics: dict, name: str) -> None:
     _check_est(numerics, name)
 
 
+def test_every_tile_table_matches_reference(numerics: dict) -> None:
+    """The interpreter runs every (BLOCK_M, BLOCK_N) of every tile table at its shape:
+    the default table through ATTN_CASES, the others through one case per shape where
+    they differ; each against the references like ATTN_CASES."""
+    from sb_titan_kernels.attn_tiles import TILE_TABLES
+
+    runs = numerics["tile_tables"]
+    want = {
+        (k, d, bs, t.block_m, t.block_n)
+        for by_shape in TILE_TABLES.values()
+        for (d, bs), tiles in by_shape.items()
+        for k, t in zip(("fwd", "dq", "dkdv"), (tiles.fwd, tiles.dq, tiles.dkdv), strict=True)
+    }
+    got = set().union(
+        *(_tiles_used(DEFAULT_TILES, c.head_dim, c.block) for c in ATTN_CASES.values())
+    )
+    got |= {tuple(t) for run in runs.values() for t in run["tiles"]}
+    assert want <= got, f"tiles no interpreter case ran: {sorted(want - got)}"
+    assert len(TILE_TABLES) >= 3 and runs  # sm_80, sm_90a, common: some differ
+    for name, run in runs.items():
+        tol = REL_TOL["float32"]
+        for what, (err, scale) in run["errors"].items():
+            assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g}"
+
+
 @pytest.mark.parametrize("name", [*ATTN_CASES, *GPU_CASES, *EST_CASES])
 def test_on_gpu(gpu_numerics: dict, name: str) -> None:
     if name in EST_CASES:
@@ -321,6 +389,7 @@ def test_on_gpu(gpu_numerics: dict, name: str) -> None:
 
 
 DOT_KERNELS = {"fwd", "bwd_dq", "bwd_dkdv", "est_probs"}
+ARCHS = ("sm_80", "sm_90a")
 
 
 def _label(r: dict) -> str:
@@ -333,7 +402,12 @@ def test_aot_every_shipped_config(aot_rows: dict) -> None:
     kernels = {"fwd", "bwd_preprocess", "bwd_dq", "bwd_dkdv", "bwd_dkdv_reduce"}
     kernels |= {"est_pool", "est_probs"}
     assert {r["kernel"] for r in rows} == kernels
-    assert len(rows) == len(kernels) * 2 * 2 * 2 * 2  # dtype x head_dim x block x arch
+    # each arch's own tile table, and the common one where it differs
+    assert {(r["arch"], r["table"]) for r in rows} >= {("sm_80", "sm_80"), ("sm_90a", "sm_90a")}
+    assert ("sm_90a", "common") in {(r["arch"], r["table"]) for r in rows}
+    # dtype x head_dim x block: 5 attention kernels per (arch, table), the estimator's 2 once
+    tables = len({(r["arch"], r["table"]) for r in rows if r["table"]})
+    assert len(rows) == (5 * tables + 2 * len(ARCHS)) * 2 * 2 * 2
     assert aot_rows["cuobjdump"], "no cuobjdump: only shared memory could be checked"
     over = [_label(r) for r in rows if r["shared"] > r["shared_limit"]]
     assert not over, f"shared memory over the arch limit: {over}"
@@ -346,9 +420,136 @@ def test_aot_every_shipped_config(aot_rows: dict) -> None:
     dup = [f"{_label(r)}: x{r['mma_ratio']:.3g}" for r in rows if r["mma_ratio"] not in (None, 1.0)]
     assert not dup, f"duplicated MMA work (executed / needed per iteration): {dup}"
     assert all(r["ok"] for r in rows)
+    assert not _mma_fallbacks(rows), _mma_fallbacks(rows)
+
+
+REPORTS = sorted((ROOT / "bench" / "results").glob("kernels_report*.json"))
+_FIELDS = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}  # report kernel -> AttnTiles
+
+
+def _mma_fallbacks(rows: list[dict]) -> list[str]:
+    """sm_90a rows of the sm_90a tile table whose MMA instruction is not the one the
+    table promises: wgmma, except where attn_tiles.SM90A_MMA_SYNC says none passes.
+    Also a row whose tile is not the table's (a report older than the table)."""
+    from sb_titan_kernels.attn_tiles import SM90A_MMA_SYNC, TILE_TABLES
+
+    bad = []
+    mine = [r for r in rows if r["arch"] == "sm_90a" and r["table"] == "sm_90a"]
+    for r in (r for r in mine if r["kernel"] in _FIELDS):
+        field = _FIELDS[r["kernel"]]
+        t = getattr(TILE_TABLES["sm_90a"][(r["head_dim"], r["block_size"])], field)
+        if (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) != tuple(t):
+            bad.append(f"{_label(r)}: the table now has {tuple(t)}")
+        promised = (
+            "mma.sync" if (field, r["head_dim"], r["block_size"]) in SM90A_MMA_SYNC else "wgmma"
+        )
+        if r["mma_instr"] != promised:
+            bad.append(f"{_label(r)}: {r['mma_instr']}, the table promises {promised}")
+    return bad if mine else ["no sm_90a rows of the sm_90a table"]
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
+def test_committed_report_keeps_the_mma_the_table_promises(path: Path) -> None:
+    """Every committed kernel report (one per Triton version) compiled the sm_90a table
+    as it is now, and each kernel's PTX issues the MMA the table promises."""
+    report = json.loads(path.read_text())
+    assert not _mma_fallbacks(report["rows"]), (
+        report["setup"]["triton"],
+        _mma_fallbacks(report["rows"]),
+    )
+
+
+def _sweep_row(kernel, tile, instr, ctas, ok=True, arch="sm_90a") -> dict:
+    return {"kernel": kernel, "head_dim": 64, "block_size": 128, "arch": arch, "ok": ok,
+            "source": "cuobjdump", "mma_instr": instr, "occupancy": {"ctas": ctas},
+            **tile._asdict()}  # fmt: skip
+
+
+def test_sm90a_sweep_prefers_wgmma_then_area_then_ctas() -> None:
+    """The pick rule on hand-made sweep rows of two Tritons: a tile must pass in both;
+    wgmma beats a larger mma.sync tile; at equal shape more CTAs per SM (the fewer of
+    the two sweeps') beats more stages."""
+    import importlib.util
+
+    from sb_titan_kernels.common import Tile
+
+    spec = importlib.util.spec_from_file_location("kr", ROOT / "bench" / "kernels_report.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+    big, small2, small3, spills = (
+        Tile(128, 128, 8, 3), Tile(64, 128, 8, 2), Tile(64, 128, 8, 3), Tile(32, 128, 4, 3)
+    )  # fmt: skip
+    ours = [
+        _sweep_row("bwd_dkdv", big, "mma.sync", 1),
+        _sweep_row("bwd_dkdv", small2, "wgmma", 2),
+        _sweep_row("bwd_dkdv", small3, "wgmma", 2),
+        _sweep_row("bwd_dkdv", spills, "wgmma", 1),
+    ]
+    other = [
+        _sweep_row("bwd_dkdv", big, "mma.sync", 1),
+        _sweep_row("bwd_dkdv", small2, "wgmma", 2),
+        _sweep_row("bwd_dkdv", small3, "wgmma", 1),  # fewer CTAs on the other Triton
+        _sweep_row("bwd_dkdv", spills, "wgmma", 1, ok=False),  # spills there
+    ]
+    ok = kr.passing(ours)[("bwd_dkdv", 64, 128)]
+    both = [t for t in ok if t in kr.passing(other)[("bwd_dkdv", 64, 128)]]
+    assert spills in ok and spills not in both
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(ours, other)) == small2
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(ours)) == small3  # 2 vs 2 CTAs
+    # a joint sweep (both arches) ignores the instruction and the CTAs: the area wins
+    joint = ours + [{**r, "arch": "sm_80"} for r in ours]
+    assert kr.pick("bwd_dkdv", 64, 128, both, kr.sm90a_ranks(joint)) == big
+    # wgmma's M is the resident rows: 64 per warp group (BLOCK_N for dK/dV, BLOCK_M fwd)
+    assert kr.wgmma_shaped("bwd_dkdv", small2) and not kr.wgmma_shaped(
+        "bwd_dkdv", Tile(128, 64, 8, 3)
+    )
+    assert kr.wgmma_shaped("fwd", big) and not kr.wgmma_shaped("fwd", small2)
+
+
+def test_tile_table_by_device_and_setting(monkeypatch) -> None:
+    from sb_titan_kernels.attn_tiles import TILES_ENV, attn_tiles, tile_table
+
+    monkeypatch.delenv(TILES_ENV, raising=False)
+    assert tile_table(torch.device("cpu")) == "sm_80"
+    for name in ("sm_90a", "common", "sm_80"):
+        monkeypatch.setenv(TILES_ENV, name)
+        assert tile_table(torch.device("cpu")) == name
+    monkeypatch.setenv(TILES_ENV, "sm_90")
+    with pytest.raises(ValueError, match="SB_TRITON_TILES='sm_90'"):
+        tile_table(torch.device("cpu"))
+    # the per-arch tables differ where the issue needed them to: dK/dV at D=64
+    for bs in (64, 128):
+        new = attn_tiles(torch.bfloat16, 64, bs, "sm_90a").dkdv
+        assert new != attn_tiles(torch.bfloat16, 64, bs, "common").dkdv
 
 
 # ------------------------------------------------------------------ plain CPU tests
+
+
+@pytest.mark.parametrize(
+    "arch,regs,warps,shared,want",
+    [
+        # registers: 128 x 32 = 4096 per warp, 4 warps per 16K sub-partition, 16 per SM
+        ("sm_90a", 128, 4, 0, {"ctas": 4, "regs": 4, "warps": 16}),
+        # 255 -> 8160, rounded to 8192 per warp: 2 warps per sub-partition, 8 per SM
+        ("sm_90a", 255, 8, 0, {"ctas": 1, "regs": 1}),
+        # 229 -> 7424 per warp: 2 per sub-partition; 97 KiB + 1 KiB reserved: 2 in 228 KiB
+        ("sm_90a", 229, 4, 97 * 1024, {"ctas": 2, "regs": 2, "smem": 2}),
+        # 129 KiB + 1: one in 228 KiB, though the registers allow 2
+        ("sm_90a", 235, 4, 129 * 1024, {"ctas": 1, "regs": 2, "smem": 1}),
+        # A100: 164 KiB per SM; 40 KiB + 1 KiB: 4; 64 registers: 8 warps per sub-partition
+        ("sm_80", 64, 4, 40 * 1024, {"ctas": 4, "regs": 8, "smem": 4}),
+        # small kernels: the 32 CTA slots or the 64 warps bind
+        ("sm_90a", 16, 1, 0, {"ctas": 32, "slots": 32, "warps": 64}),
+        ("sm_90a", 32, 4, 0, {"ctas": 16, "warps": 16}),
+    ],
+)
+def test_ctas_per_sm_follows_cuda_occupancy_rules(arch, regs, warps, shared, want) -> None:
+    from sb_titan_kernels.aot import ctas_per_sm
+
+    got = ctas_per_sm(arch, regs, shared, warps)
+    assert {k: got[k] for k in want} == want
+
 
 # A hand-written kernel: one mma.sync before any loop, an outer loop around an inner
 # one, the inner body with two wgmmas (A from shared, A from registers), and a wgmma
