@@ -172,9 +172,12 @@ QWEN_TOKENIZER_CONFIG = {
 }
 
 
-def tiny_qwen_tokenizer(path: Path, vocab_size: int = 320, text: str = "") -> Path:
+def tiny_qwen_tokenizer(
+    path: Path, vocab_size: int = 320, text: str = "", chat_template: bool = False
+) -> Path:
     """A small byte-level BPE with Qwen2.5's special tokens and tokenizer_config.json
-    (the real one is 151,665 ids; the tiny models here have a few hundred)."""
+    (the real one is 151,665 ids; the tiny models here have a few hundred); with
+    `chat_template`, the config carries Qwen2.5-Instruct's template (sb-prep --chat)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -190,7 +193,11 @@ def tiny_qwen_tokenizer(path: Path, vocab_size: int = 320, text: str = "") -> Pa
     tok.train_from_iterator([corpus], trainer=trainer)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(QWEN_TOKENIZER_CONFIG, indent=2))
+    config = dict(QWEN_TOKENIZER_CONFIG)
+    if chat_template:
+        template = REPO / "tests" / "fixtures" / "chat_templates" / "qwen2_5_instruct.jinja"
+        config["chat_template"] = template.read_text()
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 

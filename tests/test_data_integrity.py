@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 import xxhash
-from conftest import DEBUG_TOML, REPO, indexed_args, tiny_qwen_tokenizer
+from conftest import DEBUG_TOML, indexed_args, tiny_qwen_tokenizer
 
 from sb_titan.data.checksums import CHECKSUMS, ChecksumError, ChunkHasher
 from sb_titan.data.indexed import META, TOKENS, IndexedDataset, IndexedWriter
@@ -163,11 +163,9 @@ def test_sb_prep_records_checksums_of_every_file_it_writes(tmp_path):
     text = tmp_path / "chat.jsonl"
     text.write_text("".join(json.dumps({"messages": conv}) + "\n" for _ in range(4)))
     out = tmp_path / "prepared"
-    qwen = tiny_qwen_tokenizer(tmp_path / "qwen", text="hi hello user assistant")
-    config = json.loads((qwen / "tokenizer_config.json").read_text())  # --chat needs a template
-    template = REPO / "tests" / "fixtures" / "chat_templates" / "qwen2_5_instruct.jinja"
-    config["chat_template"] = template.read_text()
-    (qwen / "tokenizer_config.json").write_text(json.dumps(config))
+    qwen = tiny_qwen_tokenizer(
+        tmp_path / "qwen", text="hi hello user assistant", chat_template=True
+    )
     argv = ["--input", str(text), "--out", str(out), "--tokenizer", str(qwen), "--chat"]
     assert prep.main([*argv, "--quiet"]) == 0
     record = json.loads((out / CHECKSUMS).read_text())
