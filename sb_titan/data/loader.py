@@ -23,13 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
-from torchtitan.tools.logging import logger
 
 from sb_titan.balance.balancer import Balancer, ScheduledStep
 from sb_titan.balance.sab import MicroBatchPlan, SABConfig
 from sb_titan.balance.step_shape import StepShape
 from sb_titan.compat.data import BaseDataLoader, stop_prefetcher
-from sb_titan.data.source import TokenSource, integrity_note
+from sb_titan.data.source import TokenSource
 
 IGNORE_INDEX = -100
 
@@ -185,9 +184,6 @@ class SBDataLoader(BaseDataLoader):
         self.dp_rank = dp_rank
         self.seq_len = seq_len
         self.source = source or build_source(config, seq_len)
-        note = integrity_note(self.source)
-        if note and dp_rank == 0:  # once per run, wherever it was launched from
-            logger.warning(note)
         pad = tokenizer.tokenizer.token_to_id("<|pad|>") if tokenizer is not None else None
         self.pad_id = 0 if pad is None else pad
         if balancer is None:  # built outside the trainer: one micro-batch per step, in order

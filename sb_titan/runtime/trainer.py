@@ -49,7 +49,7 @@ from sb_titan.balance.measurements import StepMeasurements
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.data.loader import SBDataLoader, build_source
-from sb_titan.data.source import TokenSource, check_tokenizer, check_vocabulary
+from sb_titan.data.source import TokenSource, check_tokenizer, check_vocabulary, integrity_note
 from sb_titan.models.qwen2_5 import ModelConfig, derive_model_spec
 from sb_titan.models.qwen2_5.attention import (
     SBAttention,
@@ -119,6 +119,8 @@ class SBTrainer(Trainer):
         check_vocabulary(source, model.vocab_size, config.model.flavor)
         if note := check_tokenizer(source, config.hf_assets_path):
             logger.info(note)
+        if (note := integrity_note(source)) and dist.get_rank() == 0:  # once per run
+            logger.warning(note)
         if self.parallel_dims.pp_enabled:
             self.pp_schedule.run_context = self._run
         self._clock = BlockClock(self.device)
