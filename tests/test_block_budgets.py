@@ -190,3 +190,20 @@ def test_compiled_attention_takes_new_budgets_and_layouts_without_recompiling():
         out = compiled(q, k, v, attention_masks=mixed, enable_gqa=True)
     eager = layer(q, k, v, attention_masks=mixed, enable_gqa=True)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_attention_takes_a_new_sequence_length():
+    """A second length recompiles with dynamic shapes (dynamo's automatic dynamic, as in
+    evaluation at another length): the selection op's pair count then has a symbolic
+    bound, and the dynamic graph still matches eager at both lengths."""
+    torch.compiler.reset()
+    layer = SBAttention(SBAttention.Config(policy="topk", block_size=BS, scorer="mean"))
+    compiled = torch.compile(layer, fullgraph=True)
+    for rows in (ROWS, [[256, 128], [200, 184]], [[100, 220, 64], [384]]):
+        doc_id = make_doc_id(rows)
+        q, k, v = make_qkv(2, 4, 2, doc_id.shape[1], 32, seed=len(rows[0]))
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        meta = AttnMeta(doc_id, block_budgets(doc_id, [[0.5]] * 2, BS))
+        out = compiled(q, k, v, attention_masks=meta, enable_gqa=True)
+        eager = layer(q, k, v, attention_masks=meta, enable_gqa=True)
+        torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)

@@ -83,6 +83,9 @@ def _fake_table(like: Tensor, batch: int, kv_heads: int, nb: int) -> tuple[Tenso
     tests/test_compile.py), so the compiler is not told they are equal."""
     ctx = torch.library.get_ctx()
     most = batch * kv_heads * nb * (nb + 1) // 2
+    # under dynamic shapes (a recompile for a new length marks dims dynamic) the bound
+    # is symbolic, which new_dynamic_size refuses: the size is then bounded below only
+    most = most if isinstance(most, int) else None
     nnz = [ctx.new_dynamic_size(min=1, max=most) for _ in range(2)]
     ptr = like.new_empty(batch, kv_heads, nb + 1, dtype=torch.int64)
     return (
