@@ -11,7 +11,7 @@ from sb_titan.balance.cost_model.recall import RecallMeasure
 
 
 class CostModelOptions(TypedDict, total=False):
-    """CostModel's keyword options, named so the constructors that forward them are typed."""
+    """Every key optional: each constructor keeps CostModel's defaults."""
 
     density_model: DensityModel | None
     refit_rate: float

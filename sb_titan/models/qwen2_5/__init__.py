@@ -207,9 +207,9 @@ def adopt_hf_checkpoint(
 
 
 def model_dims(config: ModelSections) -> Qwen25Dims:
-    """The dims a trainer config builds: [model], plus the values of
-    the HF checkpoint an initial load starts from (checkpoint.initial_load_in_hf, from
-    initial_load_path, else hf_assets_path, as TorchTitan does) when it has a config.json."""
+    """The dims a trainer config builds: [model], plus the values of the HF checkpoint
+    an initial load starts from (checkpoint.initial_load_in_hf, from initial_load_path,
+    else hf_assets_path, as TorchTitan does) when it has a config.json."""
     dims = dims_from_model_config(config.model)
     ckpt = config.checkpoint
     if ckpt.enable and ckpt.initial_load_in_hf:
@@ -344,10 +344,10 @@ def model_registry(
 
 
 def derive_model_spec(config: ModelSections) -> ModelSpec:
-    """The ModelSpec a trainer config builds: [model], with an HF
-    initial load's values (`model_dims`), and [sparse_attention]. Derived from the final
-    config by whatever builds from it (the trainer, once, whoever launched it; the tools
-    that check, price or profile a run) and never stored on the config: a stored copy
+    """The ModelSpec a trainer config builds: [model], with an HF initial load's values
+    (`model_dims`), and [sparse_attention]. Derived from the final config by whatever
+    builds from it (the trainer, once, whoever launched it; the tools that check, price
+    or profile a run) and never stored on the config: a stored copy
     misses every override of those sections made after it (TorchTitan's launcher applies
     the command line to a registry's config)."""
     dims = model_dims(config)
