@@ -99,7 +99,7 @@ def drift_probes(model, config, inputs, rows: int, row_len: int, record: dict | 
         return []
     probes = []
     stand_in = TokenLinearAttention()
-    linear = make_stage_step(model, config, [[row_len]] * rows, 1.0, torch.device("cpu"))
+    linear = make_stage_step(model, config.training, [[row_len]] * rows, 1.0, torch.device("cpu"))
 
     def linear_probe() -> None:
         with attention_swapped(model, stand_in):
@@ -195,7 +195,7 @@ def main() -> int:
         row_len, stage, scope = args.row_len or default_row_len, 0, "blocks"
     config = load_config(args.config, ["--training.seq_len", str(row_len)])
     model_cfg = checked_model_spec(config, args.config).model
-    rows = microbatch_rows(config)
+    rows = microbatch_rows(config.parallelism, config.training)
     if not args.profile:
         settings = ProfileSettings(
             lengths=default_lengths(row_len, config.sparse_attention.block_size),
@@ -214,13 +214,13 @@ def main() -> int:
             profile_src = f"measured by this run, saved to {args.save_profile}"
     cost = CostModel(profile)
 
-    modules = scoped_modules(stage_module_names(config, model_cfg, stage), scope)
-    model = build_stage(config, model_cfg, modules, torch.device("cpu"))
+    modules = scoped_modules(stage_module_names(config.parallelism, model_cfg, stage), scope)
+    model = build_stage(config.training, model_cfg, modules, torch.device("cpu"))
     rng = np.random.default_rng(args.seed)
     lengths = longtail_v1(args.n * rows * row_len // 16, row_len, args.seed)
     batches = pack(lengths, args.n, rows, row_len)
     budgets = rng.uniform(*BUDGET_RANGE, size=args.n).round(4)
-    inputs = AttentionInputs.random(config, model, rows, row_len, torch.device("cpu"))
+    inputs = AttentionInputs.random(config.training, model, rows, row_len, torch.device("cpu"))
     samples, steps = [], []
     for i, (mb, beta) in enumerate(zip(batches, budgets, strict=True)):
         doc_lens = [n for row in mb for n in row]
@@ -236,7 +236,9 @@ def main() -> int:
             }
         )
         samples[-1]["predicted_realised_s"] = cost.predict(doc_lens, samples[-1]["density"])
-        steps.append(make_stage_step(model, config, mb, float(beta), torch.device("cpu"), i))
+        steps.append(
+            make_stage_step(model, config.training, mb, float(beta), torch.device("cpu"), i)
+        )
     probes = drift_probes(model, config, inputs, rows, row_len, record)
     print(f"timing {args.n} fresh micro-batches ({rows} x {row_len} tokens)", file=sys.stderr)
     t0, c0 = time.perf_counter(), time.process_time()

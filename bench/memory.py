@@ -432,7 +432,7 @@ def stage_layout(config: Any, model: Any) -> list[list[str]]:
     from sb_titan.profiler.stage import stage_module_names
 
     return [
-        stage_module_names(config, model, s)
+        stage_module_names(config.parallelism, model, s)
         for s in range(max(1, config.parallelism.pipeline_parallel_degree))
     ]
 

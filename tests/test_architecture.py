@@ -260,3 +260,118 @@ def test_only_the_balancer_plans_and_budgets():
             if name != home and not name.startswith(home + "."):
                 wrong.append(f"{name} uses {part}")
     assert not wrong, "only balance/balancer.py may plan and budget:\n" + "\n".join(wrong)
+
+
+# Lower layers take what they use (docs/architecture.md): below runtime/ no function
+# takes a parameter typed `Any` (the trainer's whole config hid there), and nothing
+# names the trainer's config class. Read from the syntax tree, so a rename or an
+# alias cannot hide a parameter.
+TRAINER_NAMES = {"SBTrainer"}
+
+
+def _below_runtime(name: str) -> bool:
+    runtime = _layer("sb_titan.runtime")
+    if _package(name) in ANYWHERE:
+        return True
+    layer = _layer(name)
+    return name not in ENTRY_POINTS and layer is not None and layer < runtime
+
+
+def _annotation_tree(node: ast.expr | None) -> ast.AST | None:
+    """An annotation as a tree, string annotations (`"Any | None"`) parsed too."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return ast.parse(node.value, mode="eval").body
+    return node
+
+
+def _names_any(node: ast.AST | None) -> bool:
+    """`Any`, `typing.Any`, `Any | None`, `Optional[Any]`: the annotation is Any at its
+    top (a union counts); `list[Any]` or `dict[str, Any]` says what the container is."""
+    node = _annotation_tree(node)
+    if node is None:
+        return False
+    if isinstance(node, ast.Name) or isinstance(node, ast.Attribute):
+        return (node.id if isinstance(node, ast.Name) else node.attr) == "Any"
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _names_any(node.left) or _names_any(node.right)
+    if isinstance(node, ast.Subscript):
+        outer = node.value.id if isinstance(node.value, ast.Name) else ""
+        outer = node.value.attr if isinstance(node.value, ast.Attribute) else outer
+        if outer in ("Optional", "Union"):
+            inner = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return any(_names_any(e) for e in inner)
+    return False
+
+
+def _any_parameters(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        a = node.args
+        params = a.posonlyargs + a.args + a.kwonlyargs + [p for p in (a.vararg, a.kwarg) if p]
+        name = getattr(node, "name", "<lambda>")
+        out += [f"{name}({p.arg}) line {p.lineno}" for p in params if _names_any(p.annotation)]
+    return out
+
+
+def _trainer_references(tree: ast.AST) -> list[str]:
+    """Where a tree names the trainer's class: code, imports and string annotations."""
+    out = []
+    for node in ast.walk(tree):
+        named, annotation = None, None
+        if isinstance(node, ast.Name):
+            named = node.id
+        elif isinstance(node, ast.Attribute):
+            named = node.attr
+        elif isinstance(node, ast.alias):
+            named = node.name.rpartition(".")[2]
+        elif isinstance(node, ast.arg | ast.AnnAssign):
+            annotation = node.annotation
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            annotation = node.returns
+        if named in TRAINER_NAMES:
+            out.append(f"{named} line {getattr(node, 'lineno', '?')}")
+        if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+            out += _trainer_references(_annotation_tree(annotation))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("def f(config: Any): ...", ["f(config) line 1"]),
+        ("def f(cfg: typing.Any | None = None): ...", ["f(cfg) line 1"]),
+        ("def f(*, c: 'Optional[Any]'): ...", ["f(c) line 1"]),
+        ("def f(**kw: Any): ...", ["f(kw) line 1"]),
+        ("def f(c: Training, rows: dict[str, Any]) -> Any: ...", []),
+    ],
+)
+def test_any_parameter_finder(source, found):
+    assert _any_parameters(ast.parse(source)) == found
+
+
+@pytest.mark.parametrize(
+    ("source", "count"),
+    [
+        ("from sb_titan.runtime.trainer import SBTrainer", 1),
+        ("import sb_titan.runtime.trainer as t\ndef f(c: t.SBTrainer.Config): ...", 1),
+        ("def f(c: 'SBTrainer.Config'): ...", 1),
+        ("def f(c: Training) -> None: ...", 0),
+    ],
+)
+def test_trainer_reference_finder(source, count):
+    assert len(_trainer_references(ast.parse(source))) == count
+
+
+def test_lower_layers_take_what_they_use():
+    wrong = []
+    for name, path in MODULES.items():
+        if not _below_runtime(name):
+            continue
+        tree = ast.parse(path.read_text())
+        wrong += [f"{name}: {p} is typed Any" for p in _any_parameters(tree)]
+        wrong += [f"{name}: names the trainer, {r}" for r in _trainer_references(tree)]
+    assert not wrong, "below runtime/, take typed sections, not the trainer's config:\n" + (
+        "\n".join(wrong)
+    )

@@ -171,8 +171,8 @@ def test_bad_config_and_unsupported_flavor_are_clear_errors(tmp_path, capsys, on
 def test_pipeline_stages_follow_torchtitans_split():
     config = _config("--parallelism.pipeline_parallel_degree", "2")
     model = _model(config)
-    assert sbp.stage_module_names(config, model, 0) == ["tok_embeddings", "layers.0"]
-    assert sbp.stage_module_names(config, model, 1) == ["layers.1", "norm", "lm_head"]
+    assert sbp.stage_module_names(config.parallelism, model, 0) == ["tok_embeddings", "layers.0"]
+    assert sbp.stage_module_names(config.parallelism, model, 1) == ["layers.1", "norm", "lm_head"]
     fp = sbp.current_fingerprint(config, model, stage=1, device="cpu", scope="stage")
     assert fp["stage_modules"] == ["layers.1", "norm", "lm_head"] and fp["pp_stage"] == 1
     assert fp["stage_dense_layers"] == [] and fp["pp_degree"] == 2
@@ -183,12 +183,12 @@ def test_pipeline_stages_follow_torchtitans_split():
 def test_stage_scope_runs_embedding_head_and_loss(one_thread):
     config = _config()
     modules = ["tok_embeddings", "layers.1", "norm", "lm_head"]
-    model = sbp.build_stage(config, _model(config), modules, torch.device("cpu"))
+    model = sbp.build_stage(config.training, _model(config), modules, torch.device("cpu"))
     assert len(model.layers) == 1 and model.lm_head is not None
-    sbp.make_stage_step(model, config, [[64, 192]] * 2, 0.3, torch.device("cpu"))()
+    sbp.make_stage_step(model, config.training, [[64, 192]] * 2, 0.3, torch.device("cpu"))()
     assert model.lm_head.weight.grad is not None and model.tok_embeddings.weight.grad is not None
     with sbp.attention_swapped(model, sbp.TokenLinearAttention()):
-        sbp.make_stage_step(model, config, [[256]], 1.0, torch.device("cpu"))()
+        sbp.make_stage_step(model, config.training, [[256]], 1.0, torch.device("cpu"))()
     q = model.layers["1"].attention.qkv_linear.wq.weight
     assert q.grad is not None and q.grad.abs().sum() > 0  # stand-in keeps q's backward
     assert isinstance(model.layers["1"].attention.inner_attention, SBAttention)

@@ -10,9 +10,24 @@ micro-batches; the loader then yields one micro-batch per item.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from sb_titan.context_parallel.split import check_divisible
+
+if TYPE_CHECKING:  # names only: planning a step builds no model
+    from torchtitan.config import ParallelismConfig, TrainingConfig
+
+    from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
+
+
+class StepSections(Protocol):
+    """The trainer-config sections that cut a step: the degrees and micro-batch size,
+    the batch sizes and sequence length, and (under context parallelism) the attention
+    block and backend."""
+
+    parallelism: ParallelismConfig
+    training: TrainingConfig
+    sparse_attention: SparseAttentionConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +41,8 @@ class StepShape:
     """Rows of `seq_len` tokens per micro-batch."""
 
 
-def step_shape(config: Any, world_size: int) -> StepShape:
-    """The step the trainer runs for `config` (an SBTrainer.Config) on `world_size` ranks.
+def step_shape(config: StepSections, world_size: int) -> StepShape:
+    """The step the trainer runs for `config` on `world_size` ranks.
 
     Raises ValueError naming the keys when the sizes do not divide, as TorchTitan would
     (it asserts later, inside every rank)."""
@@ -65,7 +80,7 @@ CP_SPLITS = ("sparse", "headtail")
 each row by predicted sparse cost, `headtail` is the dense zigzag split."""
 
 
-def check_context_parallel(config: Any) -> None:
+def check_context_parallel(config: StepSections) -> None:
     """What the recipe's context parallelism needs of a config (ValueError naming keys)."""
     p, sa = config.parallelism, config.sparse_attention
     check_divisible(config.training.seq_len, p.context_parallel_degree, sa.block_size)

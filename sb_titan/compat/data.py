@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.stateful import Stateful
+from torchdata.nodes import Prefetcher
 from torchtitan.config import Configurable
 
 __all__ = ["BaseDataLoader", "stop_prefetcher"]
@@ -53,7 +54,7 @@ def base_dataloader() -> type:
 BaseDataLoader = base_dataloader()
 
 
-def stop_prefetcher(node: Any) -> None:
+def stop_prefetcher(node: Prefetcher) -> None:
     """Stop a started torchdata `Prefetcher`'s worker thread now. torchdata stops it
     only on reset or garbage collection (`_it._shutdown()`, private); a prefetch thread
     left running while the interpreter exits can abort the process."""

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -321,7 +321,7 @@ class IndexedWriter:
         self.num_tokens += len(arr)
         return len(self._lengths) - 1
 
-    def _write(self, name: str, file: Any, data: bytes) -> None:
+    def _write(self, name: str, file: BinaryIO, data: bytes) -> None:
         file.write(data)
         self._hashers[name].update(data)
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Loader, Mapper, Prefetcher
+from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
 from sb_titan.balance.balancer import Balancer, ScheduledStep
 from sb_titan.balance.sab import MicroBatchPlan, SABConfig
@@ -173,7 +174,7 @@ class SBDataLoader(BaseDataLoader):
         *,
         dp_world_size: int,
         dp_rank: int,
-        tokenizer: Any,
+        tokenizer: HuggingFaceTokenizer | None,
         seq_len: int,
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,

@@ -21,11 +21,14 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sb_titan.data.megatron import MegatronError, MegatronIndexed, megatron_pair
+
+if TYPE_CHECKING:  # an optional dependency, imported where a dataset is read
+    from datasets import Dataset, DatasetDict
 
 SUFFIXES = {  # longest first: ".jsonl.gz" before ".jsonl"
     ".jsonl.gz": "jsonl.gz",
@@ -272,7 +275,7 @@ def read_arrow(path: Path, text_field: str) -> Iterator[Record]:
     return _rows(str(path), (b.column(column).to_pylist() for b in batches), share)
 
 
-def _split_of(ds: Any, where: str, hf: HFOptions) -> Any:
+def _split_of(ds: Dataset | DatasetDict, where: str, hf: HFOptions) -> Dataset:
     """One split of a DatasetDict (a Dataset is returned as it is)."""
     if not hasattr(ds, "keys"):
         return ds

@@ -11,6 +11,7 @@ import torch
 from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.attention.backends import resolve_backend
+from sb_titan.profiler.sections import ProfiledSections
 from sb_titan.profiler.stage import (
     device_name,
     layer_ids,
@@ -40,7 +41,7 @@ def nvidia_driver(version_file: str | Path = "/proc/driver/nvidia/version") -> s
 
 
 def current_fingerprint(
-    config: Any,
+    config: ProfiledSections,
     model: Qwen3Model.Config,
     stage: int = 0,
     device: torch.device | str | None = None,
@@ -54,7 +55,7 @@ def current_fingerprint(
     trainer's clock measures (decoder blocks, sb_titan/measure.py).
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    modules = scoped_modules(stage_module_names(config, model, stage), scope)
+    modules = scoped_modules(stage_module_names(config.parallelism, model, stage), scope)
     attn = model.layers[0].attention
     layers = layer_ids(modules)
     dense = [i for i in layers if not model.layers[i].attention.inner_attention.sparse]
@@ -63,7 +64,7 @@ def current_fingerprint(
         "device_name": device_name(device),
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "dtype": str(profile_dtype(config, device)).removeprefix("torch."),
+        "dtype": str(profile_dtype(config.training, device)).removeprefix("torch."),
         "attention_backend": resolve_backend(config.sparse_attention.backend, device.type),
         "block_size": config.sparse_attention.block_size,
         "flavor": config.model.flavor,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchtitan.config import TrainingConfig
 
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import select_blocks
@@ -50,7 +50,7 @@ def _meta(rows: Sequence[Sequence[int]], budget: float, device: torch.device) ->
 
 def make_stage_step(
     model: nn.Module,
-    config: Any,
+    training: TrainingConfig,
     rows: Sequence[Sequence[int]],
     budget: float,
     device: torch.device,
@@ -61,7 +61,7 @@ def make_stage_step(
     holds the head, else backward of a random output gradient."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     B, R = len(rows), sum(rows[0])
-    dtype = profile_dtype(config, device)
+    dtype = profile_dtype(training, device)
     dim, vocab = model.config.dim, model.config.vocab_size  # the stage's model, whole
     meta = _meta(rows, budget, device)
     positions = positions_of(rows, device)
@@ -98,7 +98,7 @@ class AttentionInputs:
     @classmethod
     def random(
         cls,
-        config: Any,
+        training: TrainingConfig,
         model: nn.Module,
         rows: int,
         row_len: int,
@@ -108,7 +108,7 @@ class AttentionInputs:
         """For the attention of `model` (a stage from build_stage)."""
         g = torch.Generator(device="cpu").manual_seed(seed)
         attn = model.config.layers[0].attention
-        dtype = profile_dtype(config, device)
+        dtype = profile_dtype(training, device)
         shapes = [(rows, row_len, h, attn.head_dim) for h in (attn.n_heads, attn.n_kv_heads)]
         q, k, v = (
             torch.randn(shapes[i], generator=g).to(device, dtype).requires_grad_()

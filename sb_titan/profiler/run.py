@@ -30,13 +30,16 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 import torch
+import torch.nn as nn
+from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.balance.cost_model import CostModel, Profile
+from sb_titan.balance.cost_model.options import CostModelOptions
 from sb_titan.models.qwen2_5.attention import SBAttention
 from sb_titan.profiler.fingerprint import current_fingerprint
 from sb_titan.profiler.inputs import (
@@ -45,6 +48,7 @@ from sb_titan.profiler.inputs import (
     make_stage_step,
     packed_rows,
 )
+from sb_titan.profiler.sections import CheckedSections, ProfiledSections
 from sb_titan.profiler.stage import (
     PROFILE_POLICY,
     SCOPES,
@@ -160,14 +164,16 @@ class AttentionGrid:
     realised: list[float]
 
 
-def attention_grid(model, config, settings: ProfileSettings, device) -> AttentionGrid:
+def attention_grid(
+    model: nn.Module, config: ProfiledSections, settings: ProfileSettings, device: torch.device
+) -> AttentionGrid:
     """One point per (kind, length, budget); a dense layer needs one budget (no effect)."""
     kinds = attention_kinds(model)
     points = []
     for k, (module, _) in enumerate(kinds):
         budgets = settings.densities if module.config.sparse else (1.0,)
         points += [(k, n, rho) for n in settings.lengths for rho in budgets]
-    inputs = AttentionInputs.random(config, model, settings.rows, settings.row_len, device)
+    inputs = AttentionInputs.random(config.training, model, settings.rows, settings.row_len, device)
     shift = config.sparse_attention.block_size // 2
     built = [
         make_attention_step(
@@ -205,7 +211,9 @@ def attention_table(grid: AttentionGrid, times, settings: ProfileSettings) -> tu
     return table.tolist(), raw
 
 
-def linear_grid(model, config, settings, device) -> tuple[list[int], list[Callable[[], None]]]:
+def linear_grid(
+    model: nn.Module, training: TrainingConfig, settings: ProfileSettings, device: torch.device
+) -> tuple[list[int], list[Callable[[], None]]]:
     """The stage with the O(tokens) stand-in attention at LINEAR_FRACTIONS of a
     micro-batch (shorter rows, so the largest point is the micro-batch itself)."""
     stand_in = TokenLinearAttention()
@@ -213,7 +221,7 @@ def linear_grid(model, config, settings, device) -> tuple[list[int], list[Callab
     for frac in LINEAR_FRACTIONS:
         row_len = max(MIN_LENGTH, round(settings.row_len * frac))
         tokens.append(settings.rows * row_len)
-        step = make_stage_step(model, config, [[row_len]] * settings.rows, 1.0, device)
+        step = make_stage_step(model, training, [[row_len]] * settings.rows, 1.0, device)
 
         def swapped(step=step) -> None:
             with attention_swapped(model, stand_in):
@@ -230,7 +238,7 @@ class ProfileRun:
 
 
 def run_profile(
-    config: Any,
+    config: ProfiledSections,
     model_cfg: Qwen3Model.Config,
     settings: ProfileSettings,
     stage: int = 0,
@@ -242,12 +250,14 @@ def run_profile(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if settings.clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
         raise ProfilerError("--clock cpu needs the CPU device and one thread (--threads 1)")
-    modules = scoped_modules(stage_module_names(config, model_cfg, stage), settings.scope)
-    check_supported(config, model_cfg, modules, device)
+    modules = scoped_modules(
+        stage_module_names(config.parallelism, model_cfg, stage), settings.scope
+    )
+    check_supported(config.model.flavor, model_cfg, modules, device)
     fingerprint = current_fingerprint(config, model_cfg, stage, device, settings.scope)
     fingerprint["row_len"] = settings.row_len
     fingerprint["policy"] = PROFILE_POLICY
-    model = build_stage(config, model_cfg, modules, device)
+    model = build_stage(config.training, model_cfg, modules, device)
     kinds = attention_kinds(model)
     n_points = len(LINEAR_FRACTIONS) + sum(
         len(settings.lengths) * (len(settings.densities) if m.config.sparse else 1)
@@ -256,7 +266,7 @@ def run_profile(
     bar = Progress(n_points * (settings.warmup + settings.repeats), "sb-profile", progress)
     t0, load_before = time.perf_counter(), load_average()
     grid = attention_grid(model, config, settings, device)
-    tokens, linear_steps = linear_grid(model, config, settings, device)
+    tokens, linear_steps = linear_grid(model, config.training, settings, device)
     try:  # one round-robin over both grids: they share every pass's machine state
         times = time_grid(
             grid.steps + linear_steps,
@@ -299,11 +309,11 @@ def write_profile(run: ProfileRun, path: str | os.PathLike) -> None:
 
 def load_cost_model(
     path: str | os.PathLike,
-    config: Any | None = None,
+    config: CheckedSections | None = None,
     model_cfg: Qwen3Model.Config | None = None,
     stage: int = 0,
     strict: bool = False,
-    **kwargs: Any,
+    **kwargs: Unpack[CostModelOptions],
 ) -> CostModel:
     """Read the profile (ProfileError names the file) and, given the run's config and
     the model its spec builds, check its fingerprint as a training run does: another
@@ -316,9 +326,8 @@ def load_cost_model(
     return model
 
 
-def microbatch_rows(config: Any) -> int:
+def microbatch_rows(p: ParallelismConfig, training: TrainingConfig) -> int:
     """Rows per micro-batch as the trainer forms them."""
-    p = config.parallelism
     if p.pipeline_parallel_degree > 1:
         return p.pipeline_parallel_microbatch_size
-    return config.training.local_batch_size
+    return training.local_batch_size

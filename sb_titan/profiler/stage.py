@@ -9,10 +9,10 @@ import copy
 import platform
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
+from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.compat.pipelining import llm_stage_modules, pipeline_metadata
@@ -31,11 +31,10 @@ class ProfilerError(ValueError):
     """A profiling request that cannot run here; the message says what to change."""
 
 
-def stage_module_names(config: Any, model: Qwen3Model.Config, stage: int) -> list[str]:
-    """Module FQNs of pipeline stage `stage` of `model` (the run's model spec's, derived
-    from `config`), split exactly as TorchTitan's pipeline_llm splits the model
+def stage_module_names(p: ParallelismConfig, model: Qwen3Model.Config, stage: int) -> list[str]:
+    """Module FQNs of pipeline stage `stage` of `model` (the run's model spec's) under
+    `[parallelism]` `p`, split exactly as TorchTitan's pipeline_llm splits the model
     (first/last stage carry the embedding/head and fewer layers)."""
-    p = config.parallelism
     n_layers = len(model.layers)
     if p.pipeline_parallel_degree <= 1:
         if stage != 0:
@@ -76,11 +75,11 @@ def stage_params(model: Qwen3Model.Config, modules: Sequence[str]) -> int:
 
 
 def check_supported(
-    config: Any, model: Qwen3Model.Config, modules: Sequence[str], device: torch.device
+    flavor: str, model: Qwen3Model.Config, modules: Sequence[str], device: torch.device
 ) -> None:
-    """Refuse a stage this device cannot profile in reasonable time or memory."""
+    """Refuse a stage of `model` (model.flavor `flavor`) this device cannot profile in
+    reasonable time or memory."""
     n = stage_params(model, modules)
-    flavor = config.model.flavor
     if device.type == "cpu" and n > CPU_MAX_STAGE_PARAMS:
         raise ProfilerError(
             f"model.flavor {flavor!r}: the stage has {n / 1e6:.0f}M parameters, too many to "
@@ -100,7 +99,10 @@ def check_supported(
 
 
 def build_stage(
-    config: Any, model_cfg: Qwen3Model.Config, modules: Sequence[str], device: torch.device
+    training: TrainingConfig,
+    model_cfg: Qwen3Model.Config,
+    modules: Sequence[str],
+    device: torch.device,
 ) -> nn.Module:
     """The listed modules of `model_cfg` (the run's model spec's) only, on `device`, with
     topk selection (exact densities)."""
@@ -117,7 +119,7 @@ def build_stage(
             setattr(model, name, None)
     model.enable_weight_tying = model.enable_weight_tying and {"tok_embeddings", "lm_head"} <= keep
     model.to_empty(device=device)
-    dtype = profile_dtype(config, device)
+    dtype = profile_dtype(training, device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
         for p in model.parameters():  # as FSDP's mixed precision: parameters, not buffers
@@ -164,11 +166,11 @@ def attention_swapped(model: nn.Module, stand_in: nn.Module) -> Iterator[None]:
 PROFILE_POLICY = "topk"  # realised density == budget (above the forced blocks)
 
 
-def profile_dtype(config: Any, device: torch.device) -> torch.dtype:
+def profile_dtype(training: TrainingConfig, device: torch.device) -> torch.dtype:
     """The compute dtype of training: FSDP's param dtype on GPU, fp32 on CPU."""
     if device.type == "cpu":
         return torch.float32
-    name = config.training.mixed_precision_param
+    name = training.mixed_precision_param
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ProfilerError(f"training.mixed_precision_param: unknown dtype {name!r}")

@@ -38,7 +38,7 @@ def settings_from_args(
     return ProfileSettings(
         lengths=tuple(args.lengths or default_lengths(row_len, config.sparse_attention.block_size)),
         densities=tuple(args.densities or DEFAULT_DENSITIES),
-        rows=args.rows or microbatch_rows(config),
+        rows=args.rows or microbatch_rows(config.parallelism, config.training),
         row_len=row_len,
         repeats=args.repeats,
         warmup=args.warmup,

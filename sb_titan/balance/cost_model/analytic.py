@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from sb_titan.balance.cost_model.blocks import block_pairs
 from sb_titan.balance.cost_model.profile import Profile
+
+if TYPE_CHECKING:  # a name only: the cost model runs without the model code
+    from sb_titan.models.qwen2_5.flavors import Qwen25Dims
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,7 @@ def analytic_spec(
 
 
 def analytic_stage_spec(
-    dims: Any, layers: int, head: bool, device: str, block_size: int
+    dims: Qwen25Dims, layers: int, head: bool, device: str, block_size: int
 ) -> AnalyticSpec:
     """The analytic spec of one pipeline stage of a model with Qwen2.5-style `dims`
     (dim, n_heads, n_kv_heads, head_dim, hidden_dim, vocab_size); `head`: the stage

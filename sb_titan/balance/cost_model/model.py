@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from sb_titan.balance.cost_model.blocks import (
 )
 from sb_titan.balance.cost_model.density import DensityModel
 from sb_titan.balance.cost_model.fingerprint import check_fingerprint
+from sb_titan.balance.cost_model.options import CostModelOptions
 from sb_titan.balance.cost_model.profile import (
     MIN_SECONDS,
     Profile,
@@ -115,12 +116,16 @@ class CostModel:
         self.n_refits = 0
 
     @classmethod
-    def analytic(cls, spec: AnalyticSpec, **kwargs: Any) -> CostModel:
+    def analytic(cls, spec: AnalyticSpec, **kwargs: Unpack[CostModelOptions]) -> CostModel:
         return cls(analytic_profile(spec), **kwargs)
 
     @classmethod
     def from_file(
-        cls, path: str | os.PathLike, *, analytic: AnalyticSpec | None = None, **kwargs: Any
+        cls,
+        path: str | os.PathLike,
+        *,
+        analytic: AnalyticSpec | None = None,
+        **kwargs: Unpack[CostModelOptions],
     ) -> CostModel:
         """Load a profile; fall back to the analytic model only if one is passed."""
         try:

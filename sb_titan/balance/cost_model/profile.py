@@ -42,7 +42,7 @@ def missing_profile_message(path: str | os.PathLike) -> str:
     )
 
 
-def _number(value: Any, key: str, source: str) -> float:
+def _number(value: object, key: str, source: str) -> float:
     ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok or not math.isfinite(value):
         raise ProfileError(f"{source}: key '{key}': expected a finite number, got {value!r}")
@@ -51,13 +51,13 @@ def _number(value: Any, key: str, source: str) -> float:
     return float(value)
 
 
-def _integer(value: Any, key: str, source: str) -> int:
+def _integer(value: object, key: str, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ProfileError(f"{source}: key '{key}': expected a positive integer, got {value!r}")
     return value
 
 
-def _grid(value: Any, key: str, source: str, item) -> list:
+def _grid(value: object, key: str, source: str, item) -> list:
     """A strictly increasing list of at least two entries."""
     if not isinstance(value, list) or len(value) < 2:
         raise ProfileError(f"{source}: key '{key}': expected a list of at least 2 entries")
@@ -67,7 +67,7 @@ def _grid(value: Any, key: str, source: str, item) -> list:
     return out
 
 
-def _row(value: Any, key: str, source: str, n: int) -> list[float]:
+def _row(value: object, key: str, source: str, n: int) -> list[float]:
     if not isinstance(value, list) or len(value) != n:
         raise ProfileError(f"{source}: key '{key}': expected a list of {n} numbers")
     return [_number(v, f"{key}[{i}]", source) for i, v in enumerate(value)]
@@ -134,7 +134,7 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<memory>") -> Profile:
+    def from_dict(cls, data: object, source: str = "<memory>") -> Profile:
         if not isinstance(data, dict):
             raise ProfileError(f"{source}: expected a JSON object at the top level")
         keys = ("format", "version", "fingerprint", "block_size", "lengths", "densities")

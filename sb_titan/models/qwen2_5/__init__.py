@@ -30,6 +30,7 @@ from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
 from sb_titan.models.qwen2_5.flavors import FLAVORS as FLAVORS
 from sb_titan.models.qwen2_5.flavors import Qwen25Dims as Qwen25Dims
 from sb_titan.models.qwen2_5.model_config import ModelConfig as ModelConfig
+from sb_titan.models.qwen2_5.sections import ModelSections
 
 _LINEAR_INIT: dict[str, Callable] = {
     "weight": partial(nn.init.normal_, std=0.02),
@@ -78,7 +79,7 @@ def check_hf_config(hf: dict[str, Any], source: str = "config.json") -> None:
     wrong: RoPE scaling, sliding-window / dual-chunk attention, another activation or
     architecture, missing q/k/v biases."""
 
-    def refuse(key: str, value: Any, why: str) -> None:
+    def refuse(key: str, value: object, why: str) -> None:
         raise ValueError(f"{source}: {key} = {value!r}: {why}")
 
     if hf.get("model_type", "qwen2") != "qwen2":
@@ -205,10 +206,10 @@ def adopt_hf_checkpoint(
     return dataclasses.replace(dims, **adopted)
 
 
-def model_dims(config: Any) -> Qwen25Dims:
-    """The dims a trainer config (SBTrainer.Config) builds: [model], plus the values of
-    the HF checkpoint an initial load starts from (checkpoint.initial_load_in_hf, from
-    initial_load_path, else hf_assets_path, as TorchTitan does) when it has a config.json."""
+def model_dims(config: ModelSections) -> Qwen25Dims:
+    """The dims a trainer config builds: [model], plus the values of the HF checkpoint
+    an initial load starts from (checkpoint.initial_load_in_hf, from initial_load_path,
+    else hf_assets_path, as TorchTitan does) when it has a config.json."""
     dims = dims_from_model_config(config.model)
     ckpt = config.checkpoint
     if ckpt.enable and ckpt.initial_load_in_hf:
@@ -342,11 +343,11 @@ def model_registry(
     )
 
 
-def derive_model_spec(config: Any) -> ModelSpec:
-    """The ModelSpec a trainer config (SBTrainer.Config) builds: [model], with an HF
-    initial load's values (`model_dims`), and [sparse_attention]. Derived from the final
-    config by whatever builds from it (the trainer, once, whoever launched it; the tools
-    that check, price or profile a run) and never stored on the config: a stored copy
+def derive_model_spec(config: ModelSections) -> ModelSpec:
+    """The ModelSpec a trainer config builds: [model], with an HF initial load's values
+    (`model_dims`), and [sparse_attention]. Derived from the final config by whatever
+    builds from it (the trainer, once, whoever launched it; the tools that check, price
+    or profile a run) and never stored on the config: a stored copy
     misses every override of those sections made after it (TorchTitan's launcher applies
     the command line to a registry's config)."""
     dims = model_dims(config)
