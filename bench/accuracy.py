@@ -51,6 +51,7 @@ RESULTS_DOC = REPO / "docs" / "results.md"
 PLOT = REPO / "docs" / "accuracy.png"
 HELDOUT_SEED = 777
 HELDOUT_LENGTHS = (2048, 4096)
+STAGE_HELDOUT_DOCS = 64  # documents a pretraining stage is scored on
 BETA0 = 0.5  # the config's: topk, half the blocks
 
 
@@ -296,7 +297,7 @@ def run_study(args: argparse.Namespace) -> None:
             sys.exit(f"--variants: unknown {unknown}; known: {[v.name for v in chosen]}")
         chosen = [v for v in chosen if v.name in names]
     extra = ["--hf_assets_path", str(base)] + (["--training.seq_len", "1024"] if quick else [])
-    n_docs = 8 if quick else args.docs
+    n_docs = 4 if quick else args.docs
     lengths = (1024,) if quick else HELDOUT_LENGTHS  # quick: within the base's context
     settings = {
         "config": str(FINETUNE.relative_to(REPO)),
@@ -592,13 +593,14 @@ def chunk_folder(root: Path, index: int, stage: Stage, k: int) -> Path:
 
 
 def score_stage(stage: Stage, checkpoint: Path) -> dict:
-    """Held-out recall of a stage's checkpoint on 64 documents of the stage's own mix."""
+    """Held-out recall of a stage's checkpoint on STAGE_HELDOUT_DOCS documents of the
+    stage's own mix."""
     from sb_titan.eval.checkpoint import load_from_config
     from sb_titan.eval.heldout import heldout_documents, score_heldout
 
     loaded = load_from_config(checkpoint, PRETRAIN, "dense", stage.overrides(0, stage.steps))
     mix = {"fact_every": stage.fact_every, "recalls": stage.recalls}
-    docs = heldout_documents([stage.seq_len] * 64, HELDOUT_SEED, **mix)
+    docs = heldout_documents([stage.seq_len] * STAGE_HELDOUT_DOCS, HELDOUT_SEED, **mix)
     report = score_heldout(loaded.model, docs)
     return {
         "exact_match": round(report.exact_match(), 4),

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import fixture_env, losses, sample_log, torchrun
+from conftest import losses, sample_log
 
 from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.measurements import StepMeasurements
@@ -81,21 +81,17 @@ def test_bad_measurements_name_the_problem():
 
 
 @pytest.mark.torchrun
-def test_training_step_exchanges_no_pickled_objects(tmp_path):
-    """Two FSDP ranks, SAB + DST with the cost-model refit: all_gather_object raises in
-    these processes except in the debug-only budget check, so finishing proves the step
-    path sends tensors only; the check itself proves both ranks refit to the same
-    budgets from the gathered tensors (at plan_lag 2, steps 4 and 5 plan with the models
-    refit after steps 2 and 3)."""
-    env = fixture_env("no_object_gather")
-    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
-    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
-    torchrun(2, args, tmp_path, env=env)
-    assert len(losses(tmp_path)) == 5
+def test_training_step_exchanges_no_pickled_objects(dp2_sab_dst):
+    """Two FSDP ranks, SAB + DST with the cost-model refit (conftest's shared
+    dp2_sab_dst): all_gather_object raises in these processes except in the debug-only
+    budget check, so finishing proves the step path sends tensors only; the check
+    itself proves both ranks refit to the same budgets from the gathered tensors (at
+    plan_lag 2, steps 4 and 5 plan with the models refit after steps 2 and 3)."""
+    assert len(losses(dp2_sab_dst)) == 5
     # Budgets were decided ahead, in each rank's loader thread, from the snapshot after
     # step t - 2 (-1: the initial model); the refit moved the snapshots, and both ranks
     # trained the same global budgets from the same snapshots.
-    a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
+    a, b = sample_log(dp2_sab_dst, 0), sample_log(dp2_sab_dst, 1)
     keys = ("plan_step", "step_budgets", "cost_model_snapshot")
     assert [[e[k] for k in keys] for e in a] == [[e[k] for k in keys] for e in b]
     by_step = {e["plan_step"]: e["cost_model_snapshot"] for e in a}

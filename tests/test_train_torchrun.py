@@ -1,11 +1,14 @@
 """End-to-end training with real torchrun processes on CPU (gloo).
 
 All runs start from one seed checkpoint, so runs with different parallel layouts
-(1 process, FSDP, PP) start from the same weights and can be compared.
+(1 process, FSDP, PP) start from the same weights and can be compared. Each run is
+launched once and asserted on by every test it serves: the uninterrupted run of the
+resume test is also the single-process reference.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,22 +16,73 @@ from conftest import DEBUG_TOML, fixture_env, from_seed, losses, sample_log, sca
 
 pytestmark = pytest.mark.torchrun
 
+LOSS = "loss_metrics/global_avg_loss"
+RESUME_RECIPES = {
+    "baseline": [],
+    # SAB + DST with density observations feeding the planner and the density model,
+    # and the cost-model refit on a deterministic clock (wall-clock times differ
+    # between any two runs): what resume must restore includes the refit model and
+    # the lagged snapshots that plan the steps after the checkpoint.
+    "sab_dst_refit": [
+        "--sab.policy",
+        "sab",
+        "--dst.enabled",
+        "--cost_model.analytic_device",
+        "cpu",
+        "--sab.observe_lag",
+        "4",
+    ],
+}
+
+
+def _resume_args(seed_ckpt: Path, recipe: str) -> list[str]:
+    """A checkpoint every 3 steps; the LR constant after warm-up (min_lr_factor 1)."""
+    return [
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.initial_load_path",
+        str(seed_ckpt),
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--lr_scheduler.min_lr_factor",
+        "1.0",
+        "--dataloader.sample_log",
+        *RESUME_RECIPES[recipe],
+    ]
+
 
 @pytest.fixture(scope="module")
-def single(seed_ckpt, tmp_path_factory) -> list[float]:
-    dump = tmp_path_factory.mktemp("single")
-    torchrun(1, from_seed(seed_ckpt, 5), dump)
-    return losses(dump)
+def straight(seed_ckpt, tmp_path_factory):
+    """recipe -> the dump of its uninterrupted 6-step single-process run (launched on
+    first use), whose step-3 checkpoint the resume test restarts from."""
+    dumps: dict[str, Path] = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in dumps:
+            dump = tmp_path_factory.mktemp(f"straight_{recipe}")
+            args = [*_resume_args(seed_ckpt, recipe), "--training.steps", "6"]
+            torchrun(1, args, dump, env=fixture_env("deterministic_clock"))
+            dumps[recipe] = dump
+        return dumps[recipe]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def single(straight) -> list[float]:
+    return losses(straight("baseline"))
 
 
 def test_single_process_loss_decreases(single):
-    assert len(single) == 5
+    assert len(single) == 6
     assert single[-1] < single[0] - 0.1, single
 
 
-def test_fsdp_two_processes_loss_decreases(seed_ckpt, tmp_path):
-    torchrun(2, from_seed(seed_ckpt, 5), tmp_path)
-    loss = losses(tmp_path)
+def test_fsdp_two_processes_loss_decreases(dp2_sab_dst):
+    """Two FSDP ranks (the shared SAB + DST run; run_train.sh's default run in
+    test_launch.py trains FSDP with the default recipe)."""
+    loss = losses(dp2_sab_dst)
     assert len(loss) == 5 and loss[-1] < loss[0] - 0.1, loss
 
 
@@ -71,51 +125,23 @@ def test_pp_1f1b_chunked_loss_matches_plain_loss(seed_ckpt, pp_plain, tmp_path):
             assert abs(chunked[step] - plain[step]) <= 1e-5 * abs(plain[step]), (tag, step)
 
 
-@pytest.mark.parametrize(
-    "recipe",
-    [
-        [],
-        # SAB + DST with density observations feeding the planner and the density model,
-        # and the cost-model refit on a deterministic clock (wall-clock times differ
-        # between any two runs): what resume must restore includes the refit model and
-        # the lagged snapshots that plan the steps after the checkpoint.
-        [
-            "--sab.policy",
-            "sab",
-            "--dst.enabled",
-            "--cost_model.analytic_device",
-            "cpu",
-            "--sab.observe_lag",
-            "4",
-        ],
-    ],
-    ids=["baseline", "sab_dst_refit"],
-)
-def test_resume_gives_same_losses_and_samples(seed_ckpt, tmp_path, recipe):
-    # LR constant after warm-up (min_lr_factor 1), so a 3-step run schedules like a 6-step one.
-    common = [
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.initial_load_path",
-        str(seed_ckpt),
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--lr_scheduler.min_lr_factor",
-        "1.0",
-        "--dataloader.sample_log",
-        *recipe,
-    ]
-    env = fixture_env("deterministic_clock")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    torchrun(1, [*common, "--training.steps", "6"], straight, env=env)
-    torchrun(1, [*common, "--training.steps", "3"], resumed, env=env)
-    torchrun(1, [*common, "--training.steps", "6"], resumed, env=env)
-    a, b = losses(straight), losses(resumed)
-    assert len(a) == len(b) == 6
-    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-5, (a, b)
-    assert sample_log(straight) == sample_log(resumed)
-    if recipe:  # steps 4-6 were planned by refit snapshots, two of them from the checkpoint
-        snapshots = [e["cost_model_snapshot"] for e in sample_log(straight)]
+@pytest.mark.parametrize("recipe", list(RESUME_RECIPES))
+def test_resume_gives_same_losses_and_samples(seed_ckpt, straight, tmp_path, recipe):
+    """A fresh folder holding only the uninterrupted run's step-3 checkpoint resumes to
+    its steps 4-6: the same losses and the same pieces trained (model, optimizer, data
+    loader, planner and, for SAB + DST, the refit cost model all restored)."""
+    full, resumed = straight(recipe), tmp_path / "resumed"
+    step3 = Path("checkpoint") / "step-3"
+    shutil.copytree(full / step3, resumed / step3)
+    args = [*_resume_args(seed_ckpt, recipe), "--training.steps", "6"]
+    proc = torchrun(1, args, resumed, env=fixture_env("deterministic_clock"))
+    assert f"Loading the checkpoint from {resumed / step3}" in proc.stdout + proc.stderr
+    a, b = scalars(full, LOSS), scalars(resumed, LOSS)
+    assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [4, 5, 6], (a, b)
+    assert max(abs(a[s] - b[s]) for s in b) <= 1e-5, (a, b)
+    after = [e for e in sample_log(full) if e["step"] > 3]
+    assert after and sample_log(resumed) == after
+    if RESUME_RECIPES[recipe]:  # steps 4-6 were planned by refit snapshots, two from the checkpoint
+        snapshots = [e["cost_model_snapshot"] for e in sample_log(full)]
         assert [s.split(":")[0] for s in snapshots] == ["-1", "-1", "0", "1", "2", "3"]
         assert len(set(snapshots[3:])) == 3, snapshots
