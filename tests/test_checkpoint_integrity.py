@@ -11,7 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, REPO, TINY, cpu_env, fixture_env, losses, scalars, torchrun
+from conftest import (
+    DEBUG_TOML,
+    REPO,
+    TINY,
+    cpu_env,
+    fixture_env,
+    losses,
+    sample_log,
+    scalars,
+    torchrun,
+)
 
 from sb_titan.config.toml import load_config
 from sb_titan.eval.checkpoint import load_from_config
@@ -194,6 +204,10 @@ def test_launch_check(tmp_path):
 
 
 # -- real torchrun runs --------------------------------------------------------------------------
+TRAINED = ["--training.steps", "4", "--checkpoint.async_mode", "async", "--dataloader.sample_log"]
+"""How `trained` ran, besides the checkpoint flags."""
+
+
 def _ckpt(*args: str) -> list[str]:
     return ["--checkpoint.enable", "--checkpoint.interval", "2", *args]
 
@@ -212,8 +226,7 @@ def trained(tmp_path_factory) -> Path:
     """4 steps on 2 ranks; step-2 saved asynchronously (its manifest comes when the
     step-4 save waits for it), step-4 synchronously (the last step)."""
     dump = tmp_path_factory.mktemp("trained")
-    args = ["--training.steps", "4", "--checkpoint.async_mode", "async"]
-    torchrun(2, _ckpt(*args), dump)
+    torchrun(2, _ckpt(*TRAINED), dump)
     return dump
 
 
@@ -320,7 +333,7 @@ def test_crash_between_save_and_manifest_restarts_from_last_complete_step(traine
 # -- the run record: config and layout, in every step folder ------------------------------------
 def _trained_args() -> list[str]:
     """The overrides `trained` ran with, as conftest.torchrun passed them."""
-    return [*TINY, *_ckpt("--training.steps", "4", "--checkpoint.async_mode", "async")]
+    return [*TINY, *_ckpt(*TRAINED)]
 
 
 @pytest.mark.torchrun
@@ -353,9 +366,9 @@ def test_run_record_in_every_step_and_covered_by_the_manifest(trained, tmp_path)
 def test_resume_on_another_world_size_is_refused_before_spawn(
     trained, tmp_path, capsys, monkeypatch
 ):
-    """2 ranks saved it; `--check-config` (run_train.sh, before torchrun) for 1 rank
-    refuses in one line naming both layouts; `--checkpoint.reshard` says it is not
-    supported yet; on 2 ranks the resume passes."""
+    """2 ranks saved it: `--check-config` (run_train.sh, before torchrun) for 1 or 4
+    ranks refuses in one line naming both layouts; `--checkpoint.reshard` passes once
+    the global batch is the saved one."""
     from sb_titan.tools.train import main
 
     dump = _resume_copy(trained, tmp_path)
@@ -369,18 +382,62 @@ def test_resume_on_another_world_size_is_refused_before_spawn(
             return e.code
         return 0
 
-    assert check("1") == 2
-    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("sb_titan:")]
-    assert lines == [
+    def errors() -> list[str]:
+        return [x for x in capsys.readouterr().err.splitlines() if x.startswith("sb_titan:")]
+
+    saved = (
         "sb_titan: checkpoint error: checkpoint step 4 was saved on world 2 (DP 2, PP 1, CP 1, "
-        "TP 1), 1 micro-batch(es) per DP rank, global batch 4; this run has world 1 (DP 1, "
-        "PP 1, CP 1, TP 1), 1 micro-batch(es) per DP rank, global batch 2; resume it on the "
-        "layout it was saved on"
+        "TP 1), 1 micro-batch(es) per DP rank, global batch 4; this run has "
+    )
+    assert check("1") == 2
+    assert errors() == [
+        f"{saved}world 1 (DP 1, PP 1, CP 1, TP 1), 1 micro-batch(es) per DP rank, global "
+        "batch 2; resume it on the layout it was saved on, or reshard it (checkpoint.reshard)"
+    ]
+    assert check("4") == 2
+    assert errors() == [
+        f"{saved}world 4 (DP 4, PP 1, CP 1, TP 1), 1 micro-batch(es) per DP rank, global "
+        "batch 8; resume it on the layout it was saved on, or reshard it (checkpoint.reshard)"
     ]
     assert check("1", "--checkpoint.reshard") == 2
-    err = capsys.readouterr().err
-    assert "checkpoint.reshard: resuming on another layout is not yet supported" in err
+    assert errors()[0].endswith(
+        "; checkpoint.reshard keeps the global batch: set training.global_batch_size = 4"
+    )
+    assert check("1", "--checkpoint.reshard", "--training.global_batch_size", "4") == 0
     assert check("2") == 0
+
+
+@pytest.mark.torchrun
+def test_reshard_resumes_two_ranks_on_one_at_the_same_global_batch(trained, tmp_path):
+    """2 -> 1 with checkpoint.reshard, the global batch kept by accumulating 2 micro-
+    batches: DCP reshards the FSDP weights and optimizer, and the one rank trains steps
+    3-4 on exactly the pieces the two ranks trained there, in their order, to the same
+    losses and gradient norms."""
+    step2 = Path("checkpoint") / "step-2"
+    shutil.copytree(trained / step2, tmp_path / step2)
+    args = [*TRAINED, "--checkpoint.reshard", "--training.global_batch_size", "4"]
+    proc = torchrun(1, _ckpt(*args), tmp_path)
+    out = proc.stdout + proc.stderr
+    assert "was saved on world 2 (DP 2, PP 1, CP 1, TP 1)" in out and "resharding it" in out
+    assert "Training starts at step 3" in out
+    before = [sample_log(trained, rank) for rank in (0, 1)]
+    after = sample_log(tmp_path)
+    assert [e["step"] for e in after] == [3, 3, 4, 4]
+    for step in (3, 4):
+        one = [e["rows"] for e in after if e["step"] == step]  # micro-batches 0, 1
+        two = [e["rows"] for log in before for e in log if e["step"] == step]  # ranks 0, 1
+        assert one == two, step
+    # every piece of the epoch's order once: the two ranks' steps 1-2, then the one rank's
+    pieces = [
+        tuple(p) for log in before for e in log if e["step"] <= 2 for r in e["rows"] for p in r
+    ]
+    pieces += [tuple(p) for e in after for r in e["rows"] for p in r]
+    assert len(pieces) == len(set(pieces))
+    for tag in ("loss_metrics/global_avg_loss", "grad_norm"):
+        a, b = scalars(trained, tag), scalars(tmp_path, tag)
+        assert sorted(b) == [3, 4]
+        for step in (3, 4):
+            assert abs(b[step] - a[step]) <= 1e-4 * abs(a[step]), (tag, step, a, b)
 
 
 @pytest.mark.torchrun

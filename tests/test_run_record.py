@@ -97,11 +97,15 @@ def test_check_layout(tmp_path):
     assert str(e.value) == (
         "checkpoint step 6 was saved on world 2 (DP 2, PP 1, CP 1, TP 1), 1 micro-batch(es) "
         "per DP rank, global batch 4; this run has world 1 (DP 1, PP 1, CP 1, TP 1), 1 "
-        "micro-batch(es) per DP rank, global batch 2; resume it on the layout it was saved on"
+        "micro-batch(es) per DP rank, global batch 2; resume it on the layout it was saved "
+        "on, or reshard it (checkpoint.reshard)"
     )
     assert is_permanent(e.value)  # a restart would repeat it
-    with pytest.raises(CheckpointLayoutError, match="reshard: .* not yet supported"):
+    # resharding keeps the global batch: 1 rank accumulating 2 micro-batches of 2 rows
+    with pytest.raises(CheckpointLayoutError, match="set training.global_batch_size = 4$"):
         check_layout(d, one, reshard=True)
+    one_accumulating = layout_of(load_config(DEBUG_TOML, ["--training.global_batch_size", "4"]), 1)
+    check_layout(d, one_accumulating, reshard=True)
     # The same world size with another global batch is another layout too.
     more = layout_of(load_config(DEBUG_TOML, ["--training.global_batch_size", "8"]), 2)
     with pytest.raises(CheckpointLayoutError, match="global batch 4; this run has .* batch 8"):

@@ -32,6 +32,8 @@ from sb_titan.compat.data import BaseDataLoader, stop_prefetcher
 from sb_titan.data.source import TokenSource
 
 IGNORE_INDEX = -100
+STATE_KEY = "plan"
+"""The loader's one checkpoint key (`dataloader.plan` in DCP's flat state)."""
 
 
 class StepPlanNode(BaseNode[ScheduledStep]):
@@ -215,28 +217,30 @@ class SBDataLoader(BaseDataLoader):
         return iter(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
-        # One key per DP rank (as TorchTitan's loaders do); pickled so DCP stores it as bytes.
-        # The planner's density store is taken live: per-item snapshots are made when an
-        # item is produced, before the trainer observed the steps still in flight.
+        # One key for every rank: the plan is global (every DP rank plans the same steps
+        # and observes the same gathered measurements, and a step boundary is one for all
+        # of them), so DCP stores it once and any layout can read it back (a resume on
+        # another DP size, checkpoint.reshard). Pickled so DCP stores it as bytes. The
+        # planner's density store is taken live: per-item snapshots are made when an item
+        # is produced, before the trainer observed the steps still in flight.
         state = {
             "loader": self.loader.state_dict(),
             "sab_densities": self.balancer.observation_state(),
         }
-        return {f"dp_rank_{self.dp_rank}": pickle.dumps(state)}
+        return {STATE_KEY: pickle.dumps(state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = f"dp_rank_{self.dp_rank}"
         if not state_dict:
             return
-        if key not in state_dict:
+        if STATE_KEY not in state_dict:
             raise KeyError(
-                f"data loader checkpoint has no state for {key} (it has "
-                f"{sorted(state_dict)}); was it saved with a different DP size?"
+                f"data loader checkpoint has no {STATE_KEY!r} state (it has "
+                f"{sorted(state_dict)}): saved by an older sb_titan, which kept one per DP rank"
             )
         # A fresh Loader: the checkpointer's state_dict() call (to build its load
         # template) already created an iterator that would otherwise ignore this state.
         self.loader = Loader(self._root)
-        state = pickle.loads(state_dict[key])
+        state = pickle.loads(state_dict[STATE_KEY])
         self.balancer.load_observation_state(state["sab_densities"])
         self.loader.load_state_dict(state["loader"])
 

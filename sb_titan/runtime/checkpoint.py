@@ -337,11 +337,18 @@ def check_layout(step_dir: Path, current: Layout | None, reshard: bool) -> None:
     mismatch = None if record is None else layout_mismatch(record, current, _where(step_dir))
     if mismatch is None:
         return
-    if reshard:
+    if not reshard:
         raise CheckpointLayoutError(
-            f"{mismatch}; checkpoint.reshard: resuming on another layout is not yet supported"
+            f"{mismatch}; resume it on the layout it was saved on, or reshard it "
+            "(checkpoint.reshard)"
         )
-    raise CheckpointLayoutError(f"{mismatch}; resume it on the layout it was saved on")
+    saved = Layout(**record["layout"])
+    if saved.global_batch != current.global_batch:
+        raise CheckpointLayoutError(
+            f"{mismatch}; checkpoint.reshard keeps the global batch: set "
+            f"training.global_batch_size = {saved.global_batch}"
+        )
+    logger.info(f"{mismatch}: resharding it (checkpoint.reshard)")
 
 
 def load_failure(error: BaseException, checkpoint_id: str) -> Exception:
@@ -380,8 +387,10 @@ class IntegrityCheckpointManager(CheckpointHooks):
         checksums before loading."""
         reshard: bool = False
         """Resume a checkpoint saved on another layout (world size, parallel degrees,
-        micro-batches, global batch). Not yet supported: with it, a different layout is
-        still refused before ranks spawn, saying so; without it, refused naming both."""
+        micro-batches per rank) at the same global batch: DCP reshards the weights and
+        the optimizer, and the loader's state is the global plan's, so the run trains
+        the rest of the epoch's order exactly once. Without it, another layout is
+        refused before ranks spawn, naming both."""
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
