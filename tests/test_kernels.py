@@ -257,9 +257,9 @@ def _tiles_used(table: str, d: int, bs: int) -> set[tuple]:
 
 
 def _tile_table_case(d: int, bs: int) -> AttnCase:
-    """One small fp32 case, GQA 2:1 on one kv head, random table, one row of short
-    documents (L=200: partial tiles, document edges inside tiles, padding past L)."""
-    return AttnCase("float32", d, bs, 2, 1, "random", docs="short1", both_masks=True)
+    """One small fp32 case: one head (GQA runs in ATTN_CASES), random table, one row of
+    short documents (L=200: partial tiles, document edges inside tiles, padding past L)."""
+    return AttnCase("float32", d, bs, 1, 1, "random", docs="short1", both_masks=True)
 
 
 def _tile_table_cases() -> dict[str, dict]:
@@ -275,7 +275,7 @@ def _tile_table_cases() -> dict[str, dict]:
             used = _tiles_used(table, d, bs)
             if used <= covered:
                 continue
-            name = f"tiles-{table}-fp32-d{d}-bs{bs}-gqa2-random-short1"
+            name = f"tiles-{table}-fp32-d{d}-bs{bs}-mha-random-short1"
             os.environ[TILES_ENV] = table
             try:
                 result = _attn_case(name, _tile_table_case(d, bs))
@@ -580,6 +580,19 @@ def test_tile_table_by_device_and_setting(monkeypatch) -> None:
     monkeypatch.setenv(TILES_ENV, "sm_90")
     with pytest.raises(ValueError, match="SB_TRITON_TILES='sm_90'"):
         tile_table(torch.device("cpu"))
+    # the mask: the table's per config unless SB_TRITON_MASK names one
+    from sb_titan_kernels.attn_tiles import DOC_ID_MASK, MASK_ENV, bounds_mask
+
+    table, field, d, bs = next(iter(sorted(DOC_ID_MASK)))
+    monkeypatch.delenv(MASK_ENV, raising=False)
+    assert not bounds_mask(table, field, d, bs) and bounds_mask(table, field, 128, 128)
+    monkeypatch.setenv(MASK_ENV, "bounds")
+    assert bounds_mask(table, field, d, bs)
+    monkeypatch.setenv(MASK_ENV, "doc_id")
+    assert not bounds_mask(table, field, 128, 128)
+    monkeypatch.setenv(MASK_ENV, "ids")
+    with pytest.raises(ValueError, match="SB_TRITON_MASK='ids'"):
+        bounds_mask(table, field, d, bs)
     # the per-arch tables differ where the issue needed them to: dK/dV at D=64
     for bs in (64, 128):
         new = attn_tiles(torch.bfloat16, 64, bs, "sm_90a").dkdv
