@@ -27,6 +27,11 @@ has the resident rows as M) and prefers tiles whose dots all issue wgmma
 same for the block-max kernel's `BLOCK_MAX_CONFIGS`
 (-> bench/results/kernels_sweep_block_max.json).
 
+`--masks` compiles every table's tiled attention kernels (bf16) with both partial-tile
+masks, document bounds and document ids, on the arches each table runs on, and prints
+`DOC_ID_MASK` of kernels/attn_tiles.py (see `MASK_RULE`; with `--and-sweep` another
+Triton's --masks JSON counts too) (-> bench/results/kernels_masks.json).
+
 `--triton VERSION` builds with another Triton: with the running one if it is VERSION,
 else with `--python PY` (an interpreter that has it, e.g. a scratch venv of the GPU
 machine's stack), else from a side install `pip install --no-deps --target
