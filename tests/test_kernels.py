@@ -109,9 +109,12 @@ ATTN_CASES: dict[str, AttnCase] = {
     ),
 }
 
-# Real-GPU extras: Qwen2.5-7B's GQA 7:1, long rows, every shipped (dtype, D, Bs).
+# Real-GPU extras: Qwen2.5-7B's GQA 7:1, long rows, every shipped (dtype, D, Bs); one
+# with both masks (compiled code of each, bitwise equal: the mask is the same tile)
 GPU_CASES: dict[str, AttnCase] = {
-    f"gpu-{dt}-d{d}-bs{bs}-gqa7-4k": AttnCase(full, d, bs, 7, 1, "random", True, "4k")
+    f"gpu-{dt}-d{d}-bs{bs}-gqa7-4k": AttnCase(
+        full, d, bs, 7, 1, "random", True, "4k", both_masks=(dt, d, bs) == ("bf16", 128, 64)
+    )
     for dt, full in (("bf16", "bfloat16"), ("fp16", "float16"))
     for d in (64, 128)
     for bs in (64, 128)
