@@ -27,6 +27,11 @@ has the resident rows as M) and prefers tiles whose dots all issue wgmma
 same for the block-max kernel's `BLOCK_MAX_CONFIGS`
 (-> bench/results/kernels_sweep_block_max.json).
 
+`--masks` compiles every table's tiled attention kernels (bf16) with both partial-tile
+masks, document bounds and document ids, on the arches each table runs on, and prints
+`DOC_ID_MASK` of kernels/attn_tiles.py (see `MASK_RULE`; with `--and-sweep` another
+Triton's --masks JSON counts too) (-> bench/results/kernels_masks.json).
+
 `--triton VERSION` builds with another Triton: with the running one if it is VERSION,
 else with `--python PY` (an interpreter that has it, e.g. a scratch venv of the GPU
 machine's stack), else from a side install `pip install --no-deps --target
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -60,6 +66,7 @@ from sb_titan.util.source_tree import use_source_kernels  # noqa: E402
 use_source_kernels()
 
 from sb_titan_kernels import aot  # noqa: E402
+from sb_titan_kernels.attn_tiles import MASKS  # noqa: E402
 from sb_titan_kernels.common import SHIPPED_BLOCK_SIZES, SHIPPED_HEAD_DIMS, Tile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -166,8 +173,9 @@ def report_main(triton_version: str | None = None) -> int:
 
 def compare_markdown(paths: list[str], arch: str = "sm_90a", dtype: str = "bf16") -> str:
     """The attention kernels of committed reports side by side (one column group per
-    report, e.g. per Triton version): per (kernel, D, Bs, table) the tile, MMA
-    instruction, spill bytes (ptxas store/load), shared memory and CTAs per SM."""
+    report, e.g. per Triton version): per (kernel, D, Bs, table) the tile, the mask
+    (reports from before it have no field: doc_id), MMA instruction, spill bytes (ptxas
+    store/load), shared memory and CTAs per SM."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
     keys: dict[tuple, dict[int, dict]] = {}
     for i, rep in enumerate(reports):
@@ -176,11 +184,11 @@ def compare_markdown(paths: list[str], arch: str = "sm_90a", dtype: str = "bf16"
                 keys.setdefault((r["head_dim"], r["block_size"], r["kernel"], r["table"]), {})[
                     i
                 ] = r
-    head = "| D | Bs | kernel | table | tile MxN, warps, stages | "
+    head = "| D | Bs | kernel | table | tile MxN, warps, stages | mask | "
     head += " | ".join(
         f"Triton {rep['setup']['triton']}: mma / spill B / smem KiB / CTAs/SM" for rep in reports
     )
-    lines = [head + " |", "|" + "---|" * (5 + len(reports))]
+    lines = [head + " |", "|" + "---|" * (6 + len(reports))]
     for (d, bs, kernel, table), by in sorted(keys.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         t = _tile(next(iter(by.values())))
         cells = []
@@ -193,7 +201,10 @@ def compare_markdown(paths: list[str], arch: str = "sm_90a", dtype: str = "bf16"
             ctas = r["occupancy"]["ctas"] if r.get("occupancy") else "?"
             cells.append(f"{r['mma_instr']} / {spill} / {r['shared'] / 1024:.1f} / {ctas}")
         shape = f"{t.block_m}x{t.block_n}, {t.num_warps}, {t.num_stages}"
-        lines.append(f"| {d} | {bs} | {kernel} | {table} | {shape} | " + " | ".join(cells) + " |")
+        masks = "/".join(sorted({r.get("mask") or "doc_id" for r in by.values()}))
+        lines.append(
+            f"| {d} | {bs} | {kernel} | {table} | {shape} | {masks} | " + " | ".join(cells) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -231,11 +242,11 @@ def sweep_candidates(
 def _measure(job: tuple[tuple[str, str, int, int, Tile], tuple[str, ...]]) -> list[dict]:
     """One candidate on the given arches (in a worker); a failed compile is recorded, not
     raised."""
-    (kernel, dtype, d, bs, tile), archs = job
+    (kernel, dtype, d, bs, tile, *mask), archs = job  # mask: --masks only
     if kernel == "block_max":
         spec = aot.block_max_spec(d, bs, tile)
     else:
-        spec = aot.attn_spec(kernel, dtype, d, bs, tile)
+        spec = aot.attn_spec(kernel, dtype, d, bs, tile, mask=mask[0] if mask else "doc_id")
     tool = aot.cuobjdump_path()
     rows = []
     for arch in archs:
@@ -244,7 +255,8 @@ def _measure(job: tuple[tuple[str, str, int, int, Tile], tuple[str, ...]]) -> li
         except Exception as e:  # noqa: BLE001 - one bad candidate must not stop the sweep
             rows.append(
                 {"kernel": kernel, "dtype": dtype, "head_dim": d, "block_size": bs, "arch": arch,
-                 **tile._asdict(), "ok": False, "error": f"{type(e).__name__}: {e}"}
+                 **tile._asdict(), "mask": spec.mask, "ok": False,
+                 "error": f"{type(e).__name__}: {e}"}
             )  # fmt: skip
     return rows
 
@@ -421,6 +433,143 @@ def sweep_main(
     return 0 if all(t is not None for t in best.values()) else 1
 
 
+# ------------------------------------------------------------------ mask choice
+
+MASKS_OUT = RESULTS / "kernels_masks.json"
+MASK_RULE = (
+    "a tiled attention kernel of a table masks by document bounds unless, on an arch the "
+    "table runs on (sm_90a_wgmma counted on sm_90a) and with any Triton measured, bounds "
+    "gives fewer CTAs per SM, more spill bytes (LOCAL + STACK), another MMA instruction, "
+    "or fails where the doc-id mask passes"
+)
+
+
+def mask_tables(arch: str) -> list[str]:
+    """The tables whose mask is chosen on `arch`: those AOT checks there, and on sm_90a
+    the open alternative sm_90a_wgmma (it may spill; only the comparison counts)."""
+    return aot.arch_tables(arch) + (["sm_90a_wgmma"] if arch == "sm_90a" else [])
+
+
+def mask_candidates(dtype: str = "bf16") -> list[tuple[tuple, tuple[str, ...]]]:
+    """(kernel, dtype, D, Bs, tile, mask), (arch,) of every tiled attention kernel of
+    every table of `mask_tables`, with both masks, each distinct compile once."""
+    out = []
+    for arch in aot.ARCHS:
+        for table in mask_tables(arch):
+            for (d, bs), tiles in aot.TILE_TABLES[table].items():
+                for kernel, field_ in aot.ATTN_TILED.items():
+                    for mask in MASKS:
+                        job = ((kernel, dtype, d, bs, getattr(tiles, field_), mask), (arch,))
+                        if job not in out:
+                            out.append(job)
+    return out
+
+
+def _spill_bytes(r: dict) -> float:
+    return math.inf if r.get("stack") is None else r["stack"] + r["local"]
+
+
+def bounds_costs(bounds: dict, doc_id: dict) -> bool:
+    """Whether one compile of the bounds mask is worse than the doc-id one (MASK_RULE)."""
+    if not bounds.get("ok") and doc_id.get("ok"):
+        return True
+    if _spill_bytes(bounds) > _spill_bytes(doc_id) or bounds.get("mma_instr") != doc_id.get(
+        "mma_instr"
+    ):
+        return True
+    return (bounds.get("occupancy") or {}).get("ctas", 0) < (doc_id.get("occupancy") or {}).get(
+        "ctas", 0
+    )
+
+
+def doc_id_configs(*reports: list[dict]) -> set[tuple[str, str, int, int]]:
+    """(table, kernel field, D, Bs) that keep the doc-id mask: MASK_RULE over the rows of
+    one or more --masks runs (e.g. one per Triton)."""
+    out = set()
+    for rows in reports:
+        by = {(r["arch"], r["kernel"], r["head_dim"], r["block_size"], _tile(r), r["mask"]): r
+              for r in rows}  # fmt: skip
+        for arch in aot.ARCHS:
+            for table in mask_tables(arch):
+                for (d, bs), tiles in aot.TILE_TABLES[table].items():
+                    for kernel, field_ in aot.ATTN_TILED.items():
+                        key = (arch, kernel, d, bs, getattr(tiles, field_))
+                        if bounds_costs(by[(*key, "bounds")], by[(*key, "doc_id")]):
+                            out.add((table, field_, d, bs))
+    return out
+
+
+def _mask_cell(r: dict) -> str:
+    ctas = (r.get("occupancy") or {}).get("ctas", "?")
+    return f"{r.get('regs')} / {r.get('stack')} / {ctas}"
+
+
+def masks_markdown(
+    reports: list[list[dict]], labels: list[str], doc_id: set[tuple[str, str, int, int]]
+) -> str:
+    """Per arch and distinct (kernel, D, Bs, tile): the tables that run it, then per
+    report (e.g. per Triton) regs / STACK B / CTAs per SM with the doc-id mask -> with
+    bounds, and the mask each table ships ("doc_id" in bold)."""
+    bys = [
+        {(r["arch"], r["kernel"], r["head_dim"], r["block_size"], _tile(r), r["mask"]): r
+         for r in rows}
+        for rows in reports
+    ]  # fmt: skip
+    users: dict[tuple, list[str]] = {}
+    for arch in aot.ARCHS:
+        for table in mask_tables(arch):
+            for (d, bs), tiles in aot.TILE_TABLES[table].items():
+                for kernel, field_ in aot.ATTN_TILED.items():
+                    key = (arch, d, bs, kernel, getattr(tiles, field_))
+                    ships = "**doc_id**" if (table, field_, d, bs) in doc_id else "bounds"
+                    users.setdefault(key, []).append(f"{table}: {ships}")
+    cols = " | ".join(f"{x}: doc_id -> bounds, regs / STACK B / CTAs/SM" for x in labels)
+    lines = [f"| arch | D | Bs | kernel | tile MxN, warps, stages | {cols} | ships |"]
+    lines.append("|" + "---|" * (6 + len(labels)))
+    for (arch, d, bs, kernel, t), tables in users.items():
+        cells = [
+            f"{_mask_cell(by[(arch, kernel, d, bs, t, 'doc_id')])} -> "
+            f"{_mask_cell(by[(arch, kernel, d, bs, t, 'bounds')])}"
+            for by in bys
+        ]
+        shape = f"{t.block_m}x{t.block_n}, {t.num_warps}, {t.num_stages}"
+        lines.append(
+            f"| {arch} | {d} | {bs} | {kernel} | {shape} | {' | '.join(cells)} | "
+            f"{', '.join(tables)} |"
+        )
+    return "\n".join(lines)
+
+
+def masks_main(
+    jobs: int, triton_version: str | None = None, and_masks: tuple[str, ...] = ()
+) -> int:
+    work = mask_candidates()
+    t0 = time.perf_counter()
+    with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        rows = [r for got in pool.map(_measure, work) for r in got]
+    wall = time.perf_counter() - t0
+    others = [json.loads(Path(p).read_text())["rows"] for p in and_masks]
+    doc_id = doc_id_configs(rows, *others)
+    print(f"{len(work)} compiles in {wall:.0f} s ({jobs} workers)\nrule: {MASK_RULE}\n")
+    labels = [f"Triton {triton.__version__}"]
+    labels += [f"Triton {json.loads(Path(p).read_text())['setup']['triton']}" for p in and_masks]
+    print(masks_markdown([rows, *others], labels, doc_id) + "\n")
+    print("DOC_ID_MASK: frozenset[tuple[str, str, int, int]] = frozenset(")
+    print("    {" + "".join(f"\n        {k}," for k in sorted(doc_id)) + "\n    }\n)")
+    path = _versioned(MASKS_OUT, triton_version)
+    out = {
+        "setup": {**_setup(), "dtype": "bf16", "workers": jobs, "wall_s": round(wall, 1),
+                  "and_masks": [str(_rel(Path(p).resolve())) for p in and_masks]},
+        "rule": MASK_RULE,
+        "doc_id": sorted(doc_id),
+        "rows": "ROWS",
+    }  # fmt: skip
+    lines = ",\n".join(json.dumps({k: v for k, v in r.items() if k not in _SLIM}) for r in rows)
+    path.write_text(json.dumps(out, indent=1).replace('"ROWS"', "[\n" + lines + "\n ]") + "\n")
+    print(f"\nwrote {_rel(path)}")
+    return 0
+
+
 # ------------------------------------------------------------------ another Triton
 
 
@@ -467,7 +616,14 @@ def main() -> int:
         "--and-sweep",
         action="append",
         default=[],
-        help="with --sweep: another sweep's JSON (e.g. another Triton's) a tile must pass in too",
+        help="with --sweep: another sweep's JSON (e.g. another Triton's) a tile must pass in "
+        "too; with --masks: another --masks JSON the bounds mask must cost nothing in too",
+    )
+    parser.add_argument(
+        "--masks",
+        action="store_true",
+        help="compile every table's tiled attention kernels with both masks (bf16) and pick "
+        "each one's (-> kernels_masks.json)",
     )
     parser.add_argument(
         "--compare",
@@ -494,6 +650,8 @@ def main() -> int:
     archs = tuple(args.arch.split(","))
     if unknown := set(archs) - set(aot.ARCHS):
         parser.error(f"unknown arches {sorted(unknown)}; expected some of {tuple(aot.ARCHS)}")
+    if args.masks:
+        return masks_main(args.jobs, args.triton, tuple(args.and_sweep))
     if args.sweep:
         return sweep_main(args.jobs, kernels, archs, args.triton, tuple(args.and_sweep))
     return report_main(args.triton)

@@ -38,7 +38,7 @@ from . import attn_bwd_dkdv, attn_bwd_dq, attn_fwd
 from . import block_max as bmx
 from . import estimator as est
 from .attn_common import SCAN
-from .attn_tiles import REDUCE_TILE, TILE_TABLES, attn_tiles
+from .attn_tiles import REDUCE_TILE, TILE_TABLES, attn_tiles, table_mask
 from .common import (
     FP_FUSION,
     SHIPPED_BLOCK_SIZES,
@@ -109,6 +109,7 @@ class KernelSpec:
     tile: Tile
     constexprs: dict[str, object]
     table: str = ""  # the attention tile table it comes from ("" for the others)
+    mask: str = ""  # a tiled attention kernel's partial-tile mask: "bounds" | "doc_id"
 
 
 @dataclass
@@ -138,6 +139,7 @@ class ResUsage:
     mma_ratio: float | None = None
     mma_loops: list[list[int]] = field(default_factory=list)  # [executed, needed] per loop
     mma_dots: list[dict] = field(default_factory=list)  # per dot: instructions and ratio
+    mask: str = ""  # the tiled attention kernels' partial-tile mask: "bounds" | "doc_id"
 
     @property
     def spill_free(self) -> bool:
@@ -208,17 +210,24 @@ ATTN_TILED: dict[str, str] = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}
 
 
 def attn_spec(
-    kernel: str, dtype: str, head_dim: int, block_size: int, tile: Tile, table: str = ""
+    kernel: str,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    tile: Tile,
+    table: str = "",
+    mask: str = "doc_id",
 ) -> KernelSpec:
-    """A tiled attention kernel (a key of ATTN_TILED) at any tile, for a table or a sweep."""
+    """A tiled attention kernel (a key of ATTN_TILED) at any tile and mask, for a table or
+    a sweep (the committed sweeps compiled the doc-id mask, the default)."""
     fn = {
         "fwd": attn_fwd._fwd_kernel,
         "bwd_dq": attn_bwd_dq._bwd_dq_kernel,
         "bwd_dkdv": attn_bwd_dkdv._bwd_dkdv_kernel,
     }
     ce = dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, DOT_F32=False, SCAN=SCAN)
-    ce.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
-    return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce, table)
+    ce.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BOUNDS_MASK=mask == "bounds")
+    return KernelSpec(kernel, fn[kernel], dtype, head_dim, block_size, tile, ce, table, mask)
 
 
 def arch_tables(arch: str) -> list[str]:
@@ -236,7 +245,8 @@ def shipped_specs(table: str, estimator: bool = True) -> Iterator[KernelSpec]:
             for bs in SHIPPED_BLOCK_SIZES:
                 tiles = attn_tiles(torch_dtype, d, bs, table)
                 for name, which in ATTN_TILED.items():
-                    yield attn_spec(name, dt, d, bs, getattr(tiles, which), table)
+                    mask = table_mask(table, which, d, bs)
+                    yield attn_spec(name, dt, d, bs, getattr(tiles, which), table, mask)
                 ce = dict(HEAD_DIM=d, BLOCK_SIZE=bs, BLOCK_N=tiles.dkdv.block_n)
                 t = REDUCE_TILE._replace(block_n=tiles.dkdv.block_n)
                 yield KernelSpec(
@@ -561,6 +571,7 @@ def report(spec: KernelSpec, arch: str, tool: str | None, spills: bool = True) -
         spill_loads=counts[1],
         source="cuobjdump" if tool else "metadata",
         **mma,
+        mask=spec.mask,
     )
 
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_common import SCAN, Prepared, iter_bounds, strides3
-from .attn_tiles import REDUCE_TILE, attn_tiles, tile_table
+from .attn_common import SCAN, Prepared, col_docs, col_keep, iter_bounds, strides3
+from .attn_tiles import REDUCE_TILE, attn_tiles, bounds_mask, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -54,6 +54,7 @@ def _bwd_dkdv_kernel(
     seq_len, num_blocks, num_kv_heads, group, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCAN: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr,
 ):  # fmt: skip
     """One program per (work item, key sub-tile). A work item is a key block and a range
     of its transposed list: heavy key blocks (the sink, kept by every query block of its
@@ -95,8 +96,8 @@ def _bwd_dkdv_kernel(
         mask=col_ok[:, None], other=0.0,
     ).to(DOT_T)  # fmt: skip
     doc_base = DOC + b64 * stride_db
-    doc_k = tl.load(doc_base + offs_n, mask=col_ok, other=-2)
     end_base = DOC_END + b64 * stride_db
+    col_doc = col_docs(doc_base, end_base, offs_n, col_ok, BOUNDS_MASK)
     first_doc_end = tl.load(end_base + tl.minimum(start_n, seq_len - 1))
     last_doc_end = tl.load(end_base + tl.minimum(start_n + BLOCK_N, seq_len) - 1)
     idx_base = Q_INDEX + lo
@@ -135,12 +136,7 @@ def _bwd_dkdv_kernel(
             # interior: keys all <= rows, rows (so keys) all in the first key's document
             needs_mask = (start_n + BLOCK_N > start_m + 1) | (start_m + BLOCK_M > first_doc_end)
             if needs_mask:
-                doc_q = tl.load(doc_base + rows, mask=row_ok, other=-1)
-                keep = (
-                    (offs_n[:, None] <= rows[None, :])
-                    & (doc_k[:, None] == doc_q[None, :])
-                    & row_ok[None, :]
-                )
+                keep = col_keep(doc_base, rows, row_ok, offs_n, col_doc, BOUNDS_MASK)
                 pt = tl.where(keep, pt, 0.0)
             dv = tl.dot(pt.to(DOT_T), do, dv, input_precision=PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -249,7 +245,8 @@ def attn_bwd_dkdv(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch
     q, k, v = p.q, p.k, p.v
     B, H, L, D = q.shape
     Hkv, bs, nb = k.shape[1], p.block_size, p.q_ptr.shape[-1] - 1
-    t = attn_tiles(q.dtype, D, bs, tile_table(q.device)).dkdv
+    table = tile_table(q.device)
+    t = attn_tiles(q.dtype, D, bs, table).dkdv
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     plan = plan_dkdv(p.q_ptr, p.q_index.numel())
     parts = [torch.empty((max(plan.num_partials, 1), bs, D), device=q.device, dtype=torch.float32)]
@@ -261,7 +258,8 @@ def attn_bwd_dkdv(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch
         *dv_strides, p.doc_id.stride(0),
         L, nb, Hkv, H // Hkv, p.scale * LOG2E, p.scale,
         HEAD_DIM=D, BLOCK_SIZE=bs, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN, **launch_opts(t),
+        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN,
+        BOUNDS_MASK=bounds_mask(table, "dkdv", D, bs), **launch_opts(t),
     )  # fmt: skip
     if plan.splits.shape[0]:
         _dkdv_reduce_kernel[(plan.splits.shape[0] * (bs // t.block_n),)](

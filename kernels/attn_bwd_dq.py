@@ -18,10 +18,11 @@ from .attn_common import (
     iter_bounds,
     query_order,
     query_tile,
+    row_docs,
     row_keep,
     strides3,
 )
-from .attn_tiles import attn_tiles, tile_table
+from .attn_tiles import attn_tiles, bounds_mask, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -68,6 +69,7 @@ def _bwd_dq_kernel(
     seq_len, num_blocks, num_kv_heads, group, qk_scale, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCAN: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr,
 ):  # fmt: skip
     b, hk, h, start_m, last_row, first_ds, last_ds, lo, count = query_tile(
         ORDER, KV_PTR, DOC_START, stride_db, seq_len, num_blocks, num_kv_heads, group,
@@ -100,7 +102,7 @@ def _bwd_dq_kernel(
     lse = tl.load(LSE + bh * seq_len + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + bh * seq_len + offs_m, mask=row_ok, other=0.0)
     doc_base = DOC + b64 * stride_db
-    doc_q = tl.load(doc_base + offs_m, mask=row_ok, other=-1)
+    row_doc = row_docs(doc_base, DOC_START + b64 * stride_db, offs_m, row_ok, BOUNDS_MASK)
     k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     idx_base = KV_INDEX + lo
@@ -129,7 +131,8 @@ def _bwd_dq_kernel(
         # interior pairs (keys all <= the first row, all in the last row's document) skip it
         needs_mask = (start_n + BLOCK_N > start_m + 1) | (start_n < last_ds)
         if needs_mask:
-            p = tl.where(row_keep(doc_base, cols, col_ok, offs_m, doc_q), p, 0.0)
+            keep = row_keep(doc_base, cols, col_ok, offs_m, row_doc, BOUNDS_MASK)
+            p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vt, input_precision=PREC)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(DOT_T), k, dq, input_precision=PREC)
@@ -158,7 +161,8 @@ def attn_bwd_dq(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch.T
     """dQ over the kv table (query block -> its kept key blocks)."""
     q, k = p.q, p.k
     B, H, L, D = q.shape
-    t = attn_tiles(q.dtype, D, p.block_size, tile_table(q.device)).dq
+    table = tile_table(q.device)
+    t = attn_tiles(q.dtype, D, p.block_size, table).dq
     dq = torch.empty_like(q)
     order = query_order(p.kv_ptr)
     grid = (order.numel() * (p.block_size // t.block_m) * (H // k.shape[1]),)
@@ -168,6 +172,7 @@ def attn_bwd_dq(p: Prepared, do: torch.Tensor, lse: torch.Tensor, delta: torch.T
         p.doc_id.stride(0),
         L, p.kv_ptr.shape[-1] - 1, k.shape[1], H // k.shape[1], p.scale * LOG2E, p.scale,
         HEAD_DIM=D, BLOCK_SIZE=p.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN, **launch_opts(t),
+        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN,
+        BOUNDS_MASK=bounds_mask(table, "dq", D, p.block_size), **launch_opts(t),
     )  # fmt: skip
     return dq

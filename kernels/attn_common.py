@@ -58,7 +58,10 @@ class Prepared(NamedTuple):
 # sub-tiles entirely before the first row's document or entirely after the last row
 # are skipped (the iteration range is cut, computed by one vector pass over the kept
 # list); interior pairs (keys all <= rows, all in one document) run without the mask;
-# only the rest evaluate the causal and document mask.
+# only the rest evaluate the causal and document mask, by document bounds (`BOUNDS_MASK`:
+# a key c is in row r's document iff doc_start[r] <= c <= r, bounds loaded once per
+# program) or by comparing doc ids (the key or query tile's ids loaded per masked tile);
+# attn_tiles says which per config.
 
 
 @triton.jit
@@ -111,10 +114,49 @@ def query_tile(
 
 
 @triton.jit
-def row_keep(doc_base, cols, col_ok, offs_m, doc_q):
-    """[BLOCK_M, BLOCK_N] document-causal mask of query rows x key columns (forward, dQ)."""
+def row_docs(doc_base, start_base, offs_m, row_ok, BOUNDS_MASK: tl.constexpr):
+    """What the forward and dQ keep per query row for the mask, loaded once before the
+    loop: the row's document start (BOUNDS_MASK) or its document id. Padding rows get a
+    value that keeps no key in either mask."""
+    if BOUNDS_MASK:
+        return tl.load(start_base + offs_m, mask=row_ok, other=2147483647)
+    return tl.load(doc_base + offs_m, mask=row_ok, other=-1)
+
+
+@triton.jit
+def row_keep(doc_base, cols, col_ok, offs_m, row_doc, BOUNDS_MASK: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] document-causal mask of query rows x key columns (forward, dQ).
+
+    Documents are contiguous, so with `key <= row` the key is in the row's document iff
+    `key >= doc_start[row]`: BOUNDS_MASK compares with the bounds `row_docs` loaded, no
+    load here. Otherwise the key tile's doc ids are loaded and compared with the rows'
+    (a load per masked tile). Both give the same mask (key columns past L fail either)."""
+    causal = cols[None, :] <= offs_m[:, None]
+    if BOUNDS_MASK:
+        return causal & (cols[None, :] >= row_doc[:, None])
     doc_k = tl.load(doc_base + cols, mask=col_ok, other=-2)
-    return (cols[None, :] <= offs_m[:, None]) & (doc_k[None, :] == doc_q[:, None]) & col_ok[None, :]
+    return causal & (doc_k[None, :] == row_doc[:, None]) & col_ok[None, :]
+
+
+@triton.jit
+def col_docs(doc_base, end_base, offs_n, col_ok, BOUNDS_MASK: tl.constexpr):
+    """dK/dV's per key column value, loaded once: one past the end of the key's document
+    (BOUNDS_MASK) or its document id. Padding columns keep no row in either mask."""
+    if BOUNDS_MASK:
+        return tl.load(end_base + offs_n, mask=col_ok, other=0)
+    return tl.load(doc_base + offs_n, mask=col_ok, other=-2)
+
+
+@triton.jit
+def col_keep(doc_base, rows, row_ok, offs_n, col_doc, BOUNDS_MASK: tl.constexpr):
+    """[BLOCK_N, BLOCK_M] mask of key columns x query rows (dK/dV): query row r sees key c
+    iff `c <= r < doc_end[c]` (BOUNDS_MASK, no load; rows past L fail it since
+    doc_end <= L), else by the query tile's doc ids (a load per masked tile)."""
+    causal = offs_n[:, None] <= rows[None, :]
+    if BOUNDS_MASK:
+        return causal & (rows[None, :] < col_doc[:, None])
+    doc_q = tl.load(doc_base + rows, mask=row_ok, other=-1)
+    return causal & (col_doc[:, None] == doc_q[None, :]) & row_ok[None, :]
 
 
 def query_order(kv_ptr: torch.Tensor) -> torch.Tensor:

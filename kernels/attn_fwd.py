@@ -18,10 +18,11 @@ from .attn_common import (
     iter_bounds,
     query_order,
     query_tile,
+    row_docs,
     row_keep,
     strides3,
 )
-from .attn_tiles import attn_tiles, tile_table
+from .attn_tiles import attn_tiles, bounds_mask, tile_table
 from .common import LOG2E, dot_in_fp32, launch_opts
 
 
@@ -36,6 +37,7 @@ def _fwd_kernel(
     seq_len, num_blocks, num_kv_heads, group, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, SCAN: tl.constexpr,
+    BOUNDS_MASK: tl.constexpr,
 ):  # fmt: skip
     b, hk, h, start_m, last_row, first_ds, last_ds, lo, count = query_tile(
         ORDER, KV_PTR, DOC_START, stride_db, seq_len, num_blocks, num_kv_heads, group,
@@ -60,7 +62,7 @@ def _fwd_kernel(
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     doc_base = DOC + b64 * stride_db
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_T)
-    doc_q = tl.load(doc_base + offs_m, mask=row_ok, other=-1)
+    row_doc = row_docs(doc_base, DOC_START + b64 * stride_db, offs_m, row_ok, BOUNDS_MASK)
     idx_base = KV_INDEX + lo
     it_lo, it_hi = iter_bounds(
         idx_base, count, first_ds, last_row + 1, BLOCK_SIZE, BLOCK_N, NSUB, SCAN
@@ -84,7 +86,8 @@ def _fwd_kernel(
         # interior pairs (keys all <= the first row, all in the last row's document) skip it
         needs_mask = (start_n + BLOCK_N > start_m + 1) | (start_n < last_ds)
         if needs_mask:
-            qk = tl.where(row_keep(doc_base, cols, col_ok, offs_m, doc_q), qk, float("-inf"))
+            keep = row_keep(doc_base, cols, col_ok, offs_m, row_doc, BOUNDS_MASK)
+            qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
@@ -113,7 +116,8 @@ def attn_fwd(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like q, lse [B, Hq, L] fp32 in log2 units) over the kv table."""
     q, k = p.q, p.k
     B, H, L, D = q.shape
-    t = attn_tiles(q.dtype, D, p.block_size, tile_table(q.device)).fwd
+    table = tile_table(q.device)
+    t = attn_tiles(q.dtype, D, p.block_size, table).fwd
     out = torch.empty_like(q)
     lse = torch.empty((B, H, L), device=q.device, dtype=torch.float32)
     order = query_order(p.kv_ptr)
@@ -123,6 +127,7 @@ def attn_fwd(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
         *strides3(q), *strides3(k), *strides3(p.v), *strides3(out), p.doc_id.stride(0),
         L, p.kv_ptr.shape[-1] - 1, k.shape[1], H // k.shape[1], p.scale * LOG2E,
         HEAD_DIM=D, BLOCK_SIZE=p.block_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN, **launch_opts(t),
+        DOT_F32=dot_in_fp32(q.dtype), SCAN=SCAN,
+        BOUNDS_MASK=bounds_mask(table, "fwd", D, p.block_size), **launch_opts(t),
     )  # fmt: skip
     return out, lse

@@ -98,6 +98,25 @@ TILE_TABLES: dict[str, dict[tuple[int, int], AttnTiles]] = {
     "sm_90a_wgmma": _SM90A_WGMMA,
     "common": _COMMON,
 }
+#: (table, kernel field, head_dim, Bs) whose kernel masks partial tiles by document ids;
+#: everywhere else by document bounds (BOUNDS_MASK: no doc-id load per masked tile).
+#: `python bench/kernels_report.py --masks` (Triton 3.9 and 3.6) compiles both and lists
+#: these: where bounds would cost CTAs per SM or spill on an arch the table runs on.
+#: dK/dV 32x128 (D=64 Bs=128) spills 8-16 bytes on sm_80, 64x128 8 bytes on sm_90a
+#: (3.6); the forward and dQ 64x64 with 3 stages (D=64 Bs=64) drop from 3 to 2 CTAs per
+#: SM on sm_90a (3.6: +14 registers)
+DOC_ID_MASK: frozenset[tuple[str, str, int, int]] = frozenset(
+    {
+        ("common", "dkdv", 64, 128),
+        ("common", "dq", 64, 64),
+        ("common", "fwd", 64, 64),
+        ("sm_80", "dkdv", 64, 128),
+        ("sm_90a", "dkdv", 64, 128),
+        ("sm_90a_wgmma", "dkdv", 64, 128),
+    }
+)
+#: the two ways a kernel masks a partial tile (kernels/attn_common.py: row_keep, col_keep)
+MASKS = ("bounds", "doc_id")
 ATTN_CONFIGS: dict[tuple[str, str, int, int], AttnTiles] = {
     (table, dt, d, bs): tiles
     for table, by_shape in TILE_TABLES.items()
@@ -106,6 +125,8 @@ ATTN_CONFIGS: dict[tuple[str, str, int, int], AttnTiles] = {
 }
 #: names a table for every launch (e.g. "common"); unset or "auto": by the device
 TILES_ENV = "SB_TRITON_TILES"
+#: names a mask for every launch ("bounds" or "doc_id"); unset or "auto": the table's
+MASK_ENV = "SB_TRITON_MASK"
 
 
 def tile_table(device: torch.device) -> str:
@@ -135,3 +156,19 @@ def attn_tiles(dtype: torch.dtype, head_dim: int, block_size: int, table: str) -
     if dtype == torch.float32:
         tiles = AttnTiles(*(fp32_variant(t) for t in tiles))
     return tiles
+
+
+def table_mask(table: str, field: str, head_dim: int, block_size: int) -> str:
+    """The mask ("bounds" or "doc_id") tile table `table` ships for one kernel field."""
+    return "doc_id" if (table, field, head_dim, block_size) in DOC_ID_MASK else "bounds"
+
+
+def bounds_mask(table: str, field: str, head_dim: int, block_size: int) -> bool:
+    """BOUNDS_MASK of a launch: SB_TRITON_MASK when set, else the table's choice. Read at
+    every launch, so a process (the interpreter tests) can run both masks."""
+    name = os.environ.get(MASK_ENV, "auto")
+    if name == "auto":
+        name = table_mask(table, field, head_dim, block_size)
+    elif name not in MASKS:
+        raise ValueError(f"{MASK_ENV}={name!r}: expected auto or one of {list(MASKS)}")
+    return name == "bounds"

@@ -88,6 +88,9 @@ class AttnCase(NamedTuple):
     table: str  # "random" | "full" | "diag" | "holes" (some query blocks keep nothing)
     strided_q: bool = False
     docs: str = "200"
+    # run with both partial-tile masks (SB_TRITON_MASK=doc_id, then bounds), each against
+    # the references and against each other (bitwise); else the table's mask only
+    both_masks: bool = False
 
 
 ATTN_CASES: dict[str, AttnCase] = {
@@ -106,9 +109,12 @@ ATTN_CASES: dict[str, AttnCase] = {
     ),
 }
 
-# Real-GPU extras: Qwen2.5-7B's GQA 7:1, long rows, every shipped (dtype, D, Bs).
+# Real-GPU extras: Qwen2.5-7B's GQA 7:1, long rows, every shipped (dtype, D, Bs); one
+# with both masks (compiled code of each, bitwise equal: the mask is the same tile)
 GPU_CASES: dict[str, AttnCase] = {
-    f"gpu-{dt}-d{d}-bs{bs}-gqa7-4k": AttnCase(full, d, bs, 7, 1, "random", True, "4k")
+    f"gpu-{dt}-d{d}-bs{bs}-gqa7-4k": AttnCase(
+        full, d, bs, 7, 1, "random", True, "4k", both_masks=(dt, d, bs) == ("bf16", 128, 64)
+    )
     for dt, full in (("bf16", "bfloat16"), ("fp16", "float16"))
     for d in (64, 128)
     for bs in (64, 128)
@@ -119,17 +125,22 @@ GPU_CASES: dict[str, AttnCase] = {
 REL_TOL = {"float32": 2e-5, "bfloat16": 2.5e-2, "float16": 4e-3}
 
 
-#: the tile table the interpreter's launches take by default (CPU tensors: not Hopper)
-DEFAULT_TILES = "sm_80"
+#: keys of an _attn_case result that compare the two masks' outputs: must be 0
+SAME = " bounds-vs-doc_id"
 
 
 def _attn_case(name: str, case: AttnCase, device: str = "cpu") -> dict[str, list[float]]:
+    """max |err| and max |ref| of out, dQ, dK, dV against the fp64 references; with
+    `both_masks` per mask ("out", "out bounds") and between them ("out" + SAME)."""
+    import os
+
     from sb_titan_kernels import (
         attention_dkdv_ref,
         attention_dq_ref,
         block_sparse_attention_ref,
         block_sparse_attention_triton,
     )
+    from sb_titan_kernels.attn_tiles import MASK_ENV
 
     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     dtype = getattr(torch, case.dtype)
@@ -155,8 +166,14 @@ def _attn_case(name: str, case: AttnCase, device: str = "cpu") -> dict[str, list
     k, v = rand(B, case.hkv, L, D).requires_grad_(), rand(B, case.hkv, L, D).requires_grad_()
     dout = rand(B, case.hq, L, D)
 
-    out = block_sparse_attention_triton(q, k, v, doc, table)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
+    runs = {}
+    for mask in ("doc_id", "bounds") if case.both_masks else ("auto",):
+        os.environ[MASK_ENV] = mask
+        try:
+            out = block_sparse_attention_triton(q, k, v, doc, table)
+            runs[mask] = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        finally:
+            del os.environ[MASK_ENV]
     # each kernel family against its own naive reference (written out, not autograd)
     ref = block_sparse_attention_ref(q, k, v, doc, table)
     ref_grads = (
@@ -164,12 +181,19 @@ def _attn_case(name: str, case: AttnCase, device: str = "cpu") -> dict[str, list
         *attention_dkdv_ref(dout, q, k, v, doc, table),
     )
     result = {}
-    pairs = zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True)
-    for what, got, want in pairs:
-        got, want = got.double(), want.double()
-        finite = bool(torch.isfinite(got).all())
-        err = (got - want).abs().max().item() if finite else math.inf
-        result[what] = [err, want.abs().max().item()]
+    for mask, got_all in runs.items():
+        suffix = " bounds" if mask == "bounds" else ""
+        pairs = zip(("out", "dq", "dk", "dv"), got_all, (ref, *ref_grads), strict=True)
+        for what, got, want in pairs:
+            got, want = got.double(), want.double()
+            finite = bool(torch.isfinite(got).all())
+            err = (got - want).abs().max().item() if finite else math.inf
+            result[what + suffix] = [err, want.abs().max().item()]
+    if case.both_masks:
+        pairs = zip(("out", "dq", "dk", "dv"), runs["doc_id"], runs["bounds"], strict=True)
+        for what, a, b in pairs:
+            same = torch.equal(a, b) and bool(torch.isfinite(a).all())
+            result[what + SAME] = [0.0 if same else math.inf, 1.0]
     return result
 
 
@@ -235,28 +259,33 @@ def _tiles_used(table: str, d: int, bs: int) -> set[tuple]:
     return {(k, d, bs, t.block_m, t.block_n) for k, t in kinds}
 
 
-def _tile_table_cases(covered: set[tuple]) -> dict[str, dict]:
-    """Every other tile table (SB_TRITON_TILES), at each (D, Bs) where it has a tile the
-    runs so far have not: one small fp32 case (GQA 2:1 on one kv head, random table, one
-    row of short documents)."""
+def _tile_table_case(d: int, bs: int) -> AttnCase:
+    """One small fp32 case: one head (GQA runs in ATTN_CASES), random table, one row of
+    short documents (L=200: partial tiles, document edges inside tiles, padding past L)."""
+    return AttnCase("float32", d, bs, 1, 1, "random", docs="short1", both_masks=True)
+
+
+def _tile_table_cases() -> dict[str, dict]:
+    """Every tile table (SB_TRITON_TILES), at each (D, Bs) where it has a tile the runs
+    so far have not, with both masks (`_tile_table_case`)."""
     import os
 
     from sb_titan_kernels.attn_tiles import TILE_TABLES, TILES_ENV
 
-    out = {}
+    out, covered = {}, set()
     for table, by_shape in TILE_TABLES.items():
         for d, bs in by_shape:
             used = _tiles_used(table, d, bs)
             if used <= covered:
                 continue
-            name = f"tiles-{table}-fp32-d{d}-bs{bs}-gqa2-random-short1"
+            name = f"tiles-{table}-fp32-d{d}-bs{bs}-mha-random-short1"
             os.environ[TILES_ENV] = table
             try:
-                result = _attn_case(name, AttnCase("float32", d, bs, 2, 1, "random", docs="short1"))
+                result = _attn_case(name, _tile_table_case(d, bs))
             finally:
                 del os.environ[TILES_ENV]
             covered |= used
-            out[name] = {"errors": result, "tiles": sorted(used)}
+            out[name] = {"errors": result, "tiles": sorted(used), "shape": [d, bs]}
     return out
 
 
@@ -264,10 +293,7 @@ def _child_numerics() -> dict:
     torch.set_num_threads(1)
     out = {name: _attn_case(name, case) for name, case in ATTN_CASES.items()}
     out.update({name: fn("cpu") for name, fn in EST_CASES.items()})
-    covered = set().union(
-        *(_tiles_used(DEFAULT_TILES, c.head_dim, c.block) for c in ATTN_CASES.values())
-    )
-    out["tile_tables"] = _tile_table_cases(covered)
+    out["tile_tables"] = _tile_table_cases()
     return out
 
 
@@ -335,9 +361,11 @@ def gpu_numerics() -> dict:
 
 
 def _check_attn(results: dict, name: str, case: AttnCase) -> None:
-    tol = REL_TOL[case.dtype]
     for what, (err, scale) in results[name].items():
+        tol = 0.0 if what.endswith(SAME) else REL_TOL[case.dtype]
         assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g} scale {scale:.3g}"
+    if case.both_masks:  # both masks ran, each checked, and their results compared
+        assert {"dv bounds", "dv" + SAME} <= set(results[name]), sorted(results[name])
 
 
 def _check_est(results: dict, name: str) -> None:
@@ -356,9 +384,10 @@ def test_estimator_matches_reference(numerics: dict, name: str) -> None:
 
 
 def test_every_tile_table_matches_reference(numerics: dict) -> None:
-    """The interpreter runs every (BLOCK_M, BLOCK_N) of every tile table at its shape:
-    the default table through ATTN_CASES, the others through one case per shape where
-    they differ; each against the references like ATTN_CASES."""
+    """The interpreter runs every (BLOCK_M, BLOCK_N) of every tile table at its shape
+    with both masks (document ids and document bounds), one small case per table and
+    shape where they differ; each against the references like ATTN_CASES, and the two
+    masks' results bitwise equal. (ATTN_CASES run the default table's shipped masks.)"""
     from sb_titan_kernels.attn_tiles import TILE_TABLES
 
     runs = numerics["tile_tables"]
@@ -368,16 +397,12 @@ def test_every_tile_table_matches_reference(numerics: dict) -> None:
         for (d, bs), tiles in by_shape.items()
         for k, t in zip(("fwd", "dq", "dkdv"), (tiles.fwd, tiles.dq, tiles.dkdv), strict=True)
     }
-    got = set().union(
-        *(_tiles_used(DEFAULT_TILES, c.head_dim, c.block) for c in ATTN_CASES.values())
-    )
-    got |= {tuple(t) for run in runs.values() for t in run["tiles"]}
+    got = {tuple(t) for run in runs.values() for t in run["tiles"]}
     assert want <= got, f"tiles no interpreter case ran: {sorted(want - got)}"
     assert len(TILE_TABLES) >= 3 and runs  # sm_80, sm_90a, common: some differ
     for name, run in runs.items():
-        tol = REL_TOL["float32"]
-        for what, (err, scale) in run["errors"].items():
-            assert err <= tol * max(scale, 1.0), f"{name} {what}: err {err:.3g}"
+        d, bs = run["shape"]
+        _check_attn({name: run["errors"]}, name, _tile_table_case(d, bs))
 
 
 @pytest.mark.parametrize("name", [*ATTN_CASES, *GPU_CASES, *EST_CASES])
@@ -451,12 +476,57 @@ def _mma_fallbacks(rows: list[dict]) -> list[str]:
 @pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
 def test_committed_report_keeps_the_mma_the_table_promises(path: Path) -> None:
     """Every committed kernel report (one per Triton version) compiled the sm_90a table
-    as it is now, and each kernel's PTX issues the MMA the table promises."""
+    as it is now, and each kernel's PTX issues the MMA the table promises; every tiled
+    attention row with the mask its table ships."""
+    from sb_titan_kernels.attn_tiles import table_mask
+
     report = json.loads(path.read_text())
     assert not _mma_fallbacks(report["rows"]), (
         report["setup"]["triton"],
         _mma_fallbacks(report["rows"]),
     )
+    rows = [r for r in report["rows"] if r["kernel"] in _FIELDS]
+    stale = [
+        f"{_label(r)} {r.get('mask')}"
+        for r in rows
+        if r.get("mask")
+        != table_mask(r["table"], _FIELDS[r["kernel"]], r["head_dim"], r["block_size"])
+    ]
+    assert rows and not stale, stale
+
+
+def _kernels_report():
+    """bench/kernels_report.py as a module (its pick rules)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kr", ROOT / "bench" / "kernels_report.py")
+    kr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kr)
+    return kr
+
+
+def test_bounds_mask_ships_where_it_costs_nothing() -> None:
+    """The mask rule on hand-made compiles (bounds vs doc-id of one config): fewer CTAs
+    per SM, more spill bytes, another MMA instruction or a failure cost; more CTAs or
+    an equal spill (the spilling wgmma alternative) do not. Then attn_tiles.DOC_ID_MASK
+    is exactly what the rule derives from the committed --masks runs of both Tritons."""
+    from sb_titan_kernels.attn_tiles import DOC_ID_MASK
+
+    kr = _kernels_report()
+    base = {"ok": True, "stack": 0, "local": 0, "mma_instr": "wgmma", "occupancy": {"ctas": 2}}
+    spills = {**base, "stack": 8, "ok": False}
+    assert not kr.bounds_costs(base, base)
+    assert not kr.bounds_costs({**base, "occupancy": {"ctas": 3}}, base)
+    assert not kr.bounds_costs(spills, spills)
+    assert kr.bounds_costs({**base, "occupancy": {"ctas": 1}}, base)
+    assert kr.bounds_costs(spills, base)
+    assert kr.bounds_costs({**spills, "stack": 16}, spills)
+    assert kr.bounds_costs({**base, "mma_instr": "mma.sync"}, base)
+    assert kr.bounds_costs({**base, "ok": False}, base)  # e.g. shared memory over the limit
+    paths = sorted((ROOT / "bench" / "results").glob("kernels_masks*.json"))
+    assert len(paths) == 2, paths  # our Triton and the GPU machine's
+    reports = [json.loads(p.read_text())["rows"] for p in paths]
+    assert kr.doc_id_configs(*reports) == DOC_ID_MASK
 
 
 def _sweep_row(kernel, tile, instr, ctas, ok=True, arch="sm_90a") -> dict:
@@ -469,13 +539,9 @@ def test_sm90a_sweep_prefers_wgmma_then_area_then_ctas() -> None:
     """The pick rule on hand-made sweep rows of two Tritons: a tile must pass in both;
     wgmma beats a larger mma.sync tile; at equal shape more CTAs per SM (the fewer of
     the two sweeps') beats more stages."""
-    import importlib.util
-
     from sb_titan_kernels.common import Tile
 
-    spec = importlib.util.spec_from_file_location("kr", ROOT / "bench" / "kernels_report.py")
-    kr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kr)
+    kr = _kernels_report()
     big, small2, small3, spills = (
         Tile(128, 128, 8, 3), Tile(64, 128, 8, 2), Tile(64, 128, 8, 3), Tile(32, 128, 4, 3)
     )  # fmt: skip
@@ -517,6 +583,19 @@ def test_tile_table_by_device_and_setting(monkeypatch) -> None:
     monkeypatch.setenv(TILES_ENV, "sm_90")
     with pytest.raises(ValueError, match="SB_TRITON_TILES='sm_90'"):
         tile_table(torch.device("cpu"))
+    # the mask: the table's per config unless SB_TRITON_MASK names one
+    from sb_titan_kernels.attn_tiles import DOC_ID_MASK, MASK_ENV, bounds_mask
+
+    table, field, d, bs = next(iter(sorted(DOC_ID_MASK)))
+    monkeypatch.delenv(MASK_ENV, raising=False)
+    assert not bounds_mask(table, field, d, bs) and bounds_mask(table, field, 128, 128)
+    monkeypatch.setenv(MASK_ENV, "bounds")
+    assert bounds_mask(table, field, d, bs)
+    monkeypatch.setenv(MASK_ENV, "doc_id")
+    assert not bounds_mask(table, field, 128, 128)
+    monkeypatch.setenv(MASK_ENV, "ids")
+    with pytest.raises(ValueError, match="SB_TRITON_MASK='ids'"):
+        bounds_mask(table, field, d, bs)
     # the per-arch tables differ where the issue needed them to: dK/dV at D=64
     for bs in (64, 128):
         new = attn_tiles(torch.bfloat16, 64, bs, "sm_90a").dkdv
