@@ -77,12 +77,13 @@ def dims_from_model_config(model: ModelConfig, family: str | None = None) -> Mod
         raise ValueError(
             f"model.flavor: {model.flavor!r} ({why}); expected one of {sorted(flavors)}"
         )
-    overrides = {
-        name: value
-        for name in ("tie_embeddings", *HF_VALUE_KEYS)
-        if (value := getattr(model, name)) is not None
-    }
-    return dataclasses.replace(flavors[model.flavor], **overrides)
+    return dataclasses.replace(flavors[model.flavor], **_overrides(model))
+
+
+def _overrides(model: ModelConfig) -> dict:
+    """The dims fields [model] sets (None: left to the flavor or the checkpoint)."""
+    names = ("tie_embeddings", *HF_VALUE_KEYS)
+    return {n: v for n in names if (v := getattr(model, n)) is not None}
 
 
 def adopt_hf_checkpoint(
@@ -105,7 +106,9 @@ def adopt_hf_checkpoint(
         )
 
     if ckpt.family != dims.family:
-        refuse("family", "model_type family", " (model.family)")
+        raise ValueError(
+            f"{path}: a {ckpt.family} checkpoint but the config builds {dims.family} (model.family)"
+        )
     for field, key in HF_SHAPE_KEYS.items():
         if getattr(ckpt, field) != getattr(dims, field):
             refuse(field, key, " (model.flavor)")
@@ -146,17 +149,13 @@ def model_dims(config: ModelSections) -> ModelDims:
     explicit = [f for f in HF_VALUE_KEYS if getattr(m, f) is not None]
     if config_json is None:
         dims = dims_from_model_config(m)
-    elif m.flavor == HF_FLAVOR:
-        ckpt = hf_dims(config_json)
-        if m.family is not None and m.family != ckpt.family:
-            raise ValueError(
-                f"{config_json}: a {ckpt.family} checkpoint but model.family = {m.family!r}"
-            )
-        overrides = {f: getattr(m, f) for f in (*explicit, "tie_embeddings")}
-        overrides = {f: v for f, v in overrides.items() if v is not None}
-        dims = adopt_hf_checkpoint(dataclasses.replace(ckpt, **overrides), config_json, explicit)
     else:
-        dims = dims_from_model_config(m, hf_dims(config_json).family)
+        ckpt = hf_dims(config_json)
+        if m.flavor == HF_FLAVOR:
+            family = m.family or ckpt.family
+            dims = dataclasses.replace(ckpt, family=family, **_overrides(m))
+        else:
+            dims = dims_from_model_config(m, ckpt.family)
         dims = adopt_hf_checkpoint(dims, config_json, explicit)
     seq_len = config.training.seq_len
     if seq_len > dims.max_seq_len:
