@@ -121,8 +121,8 @@ def pack_rows(row_len: int, rows: int, seed: int) -> list[list[int]]:
 def model_qk(flavor: str, doc_id: torch.Tensor, seed: int):
     """Post-RoPE q/k of every layer of a random-init model, attention output zeroed."""
     from sb_titan.eval.checkpoint import build_model
+    from sb_titan.models.attention import SparseAttentionConfig
     from sb_titan.models.qwen2_5 import FLAVORS
-    from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
 
     L = doc_id.shape[1]
     torch.manual_seed(seed)

@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import sb_titan.models.qwen2_5.attention as sb_attention  # noqa: E402
+import sb_titan.models.attention as sb_attention  # noqa: E402
 from sb_titan.attention.estimator import (  # noqa: E402
     block_mass_chunks,
     num_blocks,
@@ -219,7 +219,7 @@ class AttentionCalls:
 
 @contextlib.contextmanager
 def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCalls]:
-    """Swap the model's attention entry points (models/qwen2_5/attention.py imports
+    """Swap the model's attention entry points (models/attention.py imports
     `sparse_attention` and `dense_document_attention`) for memory-faithful fakes;
     `fake_dense=False` keeps whatever `dense_document_attention` is (the tests' negative
     control puts the old L x L mask path there)."""
@@ -290,13 +290,14 @@ class SliceTrace:
 
 def slice_model_config(config: Any, rope_len: int):
     """Embedding, dense layer 0, one sparse layer, norm and head of `config`'s model."""
-    from sb_titan.models.qwen2_5 import build_qwen2_5_config, model_dims
+    from sb_titan.models.layers import decoder_config
+    from sb_titan.models.registry import FAMILIES, model_dims
 
     dims = dataclasses.replace(
         model_dims(config), n_layers=2, tie_embeddings=False, max_seq_len=rope_len
     )
     attention = dataclasses.replace(config.sparse_attention, enabled=True, dense_layers=[0])
-    return build_qwen2_5_config(dims, attention)
+    return decoder_config(FAMILIES[dims.family], dims, attention)
 
 
 def _loss_fn(config: Any):

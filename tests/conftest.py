@@ -126,12 +126,22 @@ DEBUG_HF_SHAPE = dict(
 )
 
 
-def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
-    """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`;
-    `overrides` are Qwen2Config arguments (e.g. rope_theta, or the debug flavor's dims)."""
+# transformers' config and model classes by config.json model_type.
+HF_CLASSES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+
+def tiny_hf(path: Path, model_type: str, tied: bool, **overrides):
+    """A small random transformers model of `model_type` (qwen2, qwen3, llama), saved to
+    `path`; `overrides` are its config's arguments. Biases (qwen2) and QK-norm weights
+    (qwen3) are non-zero / non-one, so that a dropped one would show."""
     import torch
     import transformers
 
+    config_cls, model_cls = (getattr(transformers, n) for n in HF_CLASSES[model_type])
     kwargs = dict(
         vocab_size=256,
         hidden_size=64,
@@ -144,15 +154,26 @@ def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
     )
-    config = transformers.Qwen2Config(**{**kwargs, **overrides})
+    config = config_cls(**{**kwargs, **overrides})
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).eval()
-    with torch.no_grad():  # non-zero biases, so a dropped bias would show
+    model = model_cls(config).eval()
+    with torch.no_grad():
         for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
+            attn = layer.self_attn
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.normal_(0, 0.5)
+            for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(path)
     return model
+
+
+def tiny_hf_qwen2(path: Path, tied: bool, **overrides):
+    """A small random transformers Qwen2 (non-zero q/k/v biases), saved to `path`;
+    `overrides` are Qwen2Config arguments (e.g. rope_theta, or the debug flavor's dims)."""
+    return tiny_hf(path, "qwen2", tied, **overrides)
 
 
 def indexed_args(path: Path) -> list[str]:

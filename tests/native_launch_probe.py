@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torchtitan.train
 from torchtitan.trainer import Trainer
 
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 
 PRICED = ("hidden", "heads", "kv_heads", "head_dim", "intermediate", "layers", "block_size")
 

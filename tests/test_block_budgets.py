@@ -22,7 +22,7 @@ from sb_titan.context_parallel.split import (
     predicted_block_pairs,
     rank_loads,
 )
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 from sb_titan.runtime.cp_split import CPSplitter
 
 torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.ops import _attention_op, _select_blocks_op, select
 from sb_titan.attention.recall import sample_positions
 from sb_titan.attention.selection import STATS_SIZE
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 
 
 def _inputs(B=2, L=300, hq=4, hkv=2, d=32, seed=0):

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO, cpu_env
 
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
-from sb_titan.models.qwen2_5 import derive_model_spec
+from sb_titan.models.registry import derive_model_spec
 
 
 def _write(tmp_path, text: str):

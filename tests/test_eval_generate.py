@@ -6,10 +6,10 @@ import torch
 
 from sb_titan.eval.checkpoint import build_model
 from sb_titan.eval.generate import forward_last_logits, greedy_generate, kv_cache, uniform_meta
-from sb_titan.models.qwen2_5 import Qwen25Dims
-from sb_titan.models.qwen2_5.attention import SBAttention, SparseAttentionConfig
+from sb_titan.models.attention import SBAttention, SparseAttentionConfig
+from sb_titan.models.dims import ModelDims
 
-DIMS = Qwen25Dims(64, 2, 4, 2, 16, 128, 256, False, 1024)
+DIMS = ModelDims(64, 2, 4, 2, 16, 128, 256, False, 1024)
 
 
 def _model(sparse: bool = False) -> torch.nn.Module:

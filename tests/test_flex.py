@@ -27,7 +27,7 @@ from sb_titan.attention.flex import (
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import STATS_SIZE, select_blocks
 from sb_titan.attention.sparse import sparse_attention
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 
 torch.set_num_threads(1)
 L = 650  # NB = 11 at block 64, the last block 10 tokens long

@@ -23,7 +23,7 @@ from torchtitan.components.loss import CrossEntropyLoss
 from sb_titan.attention.layout import document_causal_mask
 from sb_titan.attention.selection import select_blocks
 from sb_titan.config.toml import load_config
-from sb_titan.models.qwen2_5 import derive_model_spec
+from sb_titan.models.registry import derive_model_spec
 
 _spec = importlib.util.spec_from_file_location("bench_memory", REPO / "bench" / "memory.py")
 memory = importlib.util.module_from_spec(_spec)

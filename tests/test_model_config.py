@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, REPO, cpu_env, tiny_hf_qwen2
+from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, REPO, cpu_env, tiny_hf, tiny_hf_qwen2
 
 from sb_titan.config.toml import ConfigError, checked_model_spec, load_config
-from sb_titan.models.qwen2_5 import FLAVORS, adopt_hf_checkpoint, derive_model_spec
+from sb_titan.models.qwen2_5 import FLAVORS
+from sb_titan.models.registry import adopt_hf_checkpoint, derive_model_spec
 
 pytest.importorskip("transformers")
 
@@ -161,3 +162,79 @@ def test_check_config_logs_the_adopted_values(hf_dir):
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if "rope_theta = 12345.0" in line]
     assert len(lines) == 1 and str(hf_dir / "config.json") in lines[0], proc.stdout
+
+
+def _families(config) -> tuple[str, str, int, int, bool]:
+    spec = derive_model_spec(config)
+    attn = spec.model.layers[0].attention
+    return (spec.name, type(attn.rope).__qualname__, len(spec.model.layers), attn.head_dim,
+            attn.qk_norm is not None)  # fmt: skip
+
+
+def test_family_and_flavor_pick_the_model():
+    assert _families(load_config(DEBUG_TOML)) == ("qwen2_5", "CosSinRoPE.Config", 2, 64, False)
+    qwen3 = load_config(DEBUG_TOML, ["--model.family", "qwen3", "--model.flavor", "4b"])
+    qwen3.training.seq_len = 4096
+    assert _families(qwen3) == ("qwen3", "CosSinRoPE.Config", 36, 128, True)
+    llama = load_config(DEBUG_TOML, ["--model.family", "llama3", "--model.flavor", "8b"])
+    assert _families(llama) == ("llama3", "ComplexRoPE.Config", 32, 128, False)
+    rope = derive_model_spec(llama).model.layers[0].attention.rope
+    assert (rope.scaling, rope.scaling_factor, rope.original_max_position_embeddings) == (
+        "llama", 8.0, 8192
+    )  # fmt: skip
+    wrong = load_config(DEBUG_TOML, ["--model.flavor", "4b"])
+    with pytest.raises(ConfigError, match=r"model.flavor: '4b' \(not a qwen2_5 flavor\)"):
+        checked_model_spec(wrong, DEBUG_TOML)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A Qwen3 of no named size: 3 layers, head_dim 32, tied, its own theta."""
+    path = tmp_path_factory.mktemp("hf_qwen3")
+    shape = dict(num_hidden_layers=3, head_dim=32, max_position_embeddings=4096, rope_theta=5e5)
+    tiny_hf(path, "qwen3", True, **shape)
+    return path
+
+
+def test_flavor_hf_builds_what_config_json_describes(qwen3_dir):
+    hf = [*_initial_load(qwen3_dir), "--model.flavor", "hf"]
+    config = load_config(DEBUG_TOML, hf)
+    assert _families(config) == ("qwen3", "CosSinRoPE.Config", 3, 32, True)
+    model = derive_model_spec(config).model
+    assert model.enable_weight_tying and model.layers[0].attention.rope.theta == 5e5
+    # [model] still overrides what it may: an untied copy for pipeline parallelism.
+    untied = load_config(DEBUG_TOML, [*hf, "--model.tie_embeddings", "False"])
+    assert not derive_model_spec(untied).model.enable_weight_tying
+    with pytest.raises(
+        ConfigError, match=r"a qwen3 checkpoint but the config builds llama3 \(model.family\)"
+    ):
+        checked_model_spec(load_config(DEBUG_TOML, [*hf, "--model.family", "llama3"]), "c")
+    with pytest.raises(ConfigError, match=r"model.flavor: 'hf' \(needs an HF initial load\)"):
+        checked_model_spec(load_config(DEBUG_TOML, ["--model.flavor", "hf"]), "c")
+
+
+def test_triton_backend_refuses_a_head_dim_it_does_not_ship(qwen3_dir):
+    hf = [*_initial_load(qwen3_dir), "--model.flavor", "hf"]
+    triton = load_config(DEBUG_TOML, [*hf, "--sparse_attention.backend", "triton"])
+    with pytest.raises(ConfigError) as err:
+        checked_model_spec(triton, DEBUG_TOML)
+    assert str(err.value) == (
+        f"{DEBUG_TOML}: {qwen3_dir / 'config.json'}: head_dim = 32: the Triton kernels ship "
+        "head_dim 64 and 128 (sparse_attention.backend = 'triton'; 'torch' or 'flex' run "
+        "any head_dim)"
+    )
+    torch_backend = load_config(DEBUG_TOML, [*hf, "--sparse_attention.backend", "torch"])
+    assert derive_model_spec(torch_backend).model.layers[0].attention.head_dim == 32
+
+
+def test_check_config_refuses_a_moe_checkpoint_before_ranks_spawn(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "qwen3_moe", "num_experts": 128, "hidden_size": 64}'
+    )
+    proc = _check_config([str(DEBUG_TOML), *_initial_load(tmp_path), "--model.flavor", "hf"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"sb_titan: config error: {DEBUG_TOML}: {tmp_path / 'config.json'}: model_type = "
+        "'qwen3_moe': expected one of ['llama', 'qwen2', 'qwen3'] (dense Qwen2 / Qwen2.5, "
+        "Qwen3 and Llama 3; mixture-of-experts models are not supported)"
+    ], proc.stderr

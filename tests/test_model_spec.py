@@ -11,7 +11,7 @@ import pytest
 from conftest import DEBUG_TOML, REPO, cpu_env
 
 from sb_titan.config.toml import load_config
-from sb_titan.models.qwen2_5 import derive_model_spec
+from sb_titan.models.registry import derive_model_spec
 from sb_titan.runtime.trainer import run_model_spec
 
 # debug4 as its flavor-table row says (models/qwen2_5/flavors.py), written out here.

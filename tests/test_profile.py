@@ -15,8 +15,8 @@ from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
 from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS
 from sb_titan.config.toml import load_config
-from sb_titan.models.qwen2_5 import derive_model_spec
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
+from sb_titan.models.registry import derive_model_spec
 from sb_titan.tools.profile import main as profile_main
 
 ROW = ["--training.seq_len", "256"]  # rows of 256 tokens keep every run sub-second

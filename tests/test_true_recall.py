@@ -241,7 +241,7 @@ def test_every_scorer_is_a_distribution_over_allowed_blocks():
 
 
 def test_oracles_are_refused_for_training():
-    from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
+    from sb_titan.models.attention import SparseAttentionConfig
 
     for oracle in ORACLES:
         with pytest.raises(ValueError, match=f"sparse_attention.scorer: '{oracle}'"):

@@ -17,7 +17,7 @@ from sb_titan.context_parallel.split import check_divisible
 if TYPE_CHECKING:  # names only: planning a step builds no model
     from torchtitan.config import ParallelismConfig, TrainingConfig
 
-    from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
+    from sb_titan.models.attention import SparseAttentionConfig
 
 
 class StepSections(Protocol):

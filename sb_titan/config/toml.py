@@ -73,7 +73,7 @@ def checked_model_spec(config, path: str | Path | None) -> ModelSpec:
     """The model spec `config` builds (models.qwen2_5.derive_model_spec), for a tool that
     checks, prices or profiles a run; a problem with it (a flavor, an HF initial load's
     config.json, a row beyond the RoPE length) is a ConfigError naming the file."""
-    from sb_titan.models.qwen2_5 import derive_model_spec
+    from sb_titan.models.registry import derive_model_spec
 
     try:
         return derive_model_spec(config)

@@ -18,14 +18,9 @@ import torch
 import torch.nn as nn
 
 from sb_titan.data.tokenizer import EOS, TOKENIZER_DIR
-from sb_titan.models.qwen2_5 import (
-    Qwen25Dims,
-    dims_from_hf_config,
-    model_dims,
-    model_registry,
-    read_hf_config,
-)
-from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
+from sb_titan.models.attention import SparseAttentionConfig
+from sb_titan.models.dims import ModelDims
+from sb_titan.models.registry import hf_dims, model_dims, model_registry
 
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -33,7 +28,7 @@ _STEP = re.compile(r"^step-(\d+)$")
 @dataclass
 class LoadedModel:
     model: nn.Module
-    dims: Qwen25Dims
+    dims: ModelDims
     attention: SparseAttentionConfig
     tokenizer_dir: Path
     source: str
@@ -58,9 +53,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"checkpoint: no DCP checkpoint (step-N/.metadata) under {path}")
 
 
-def build_model(
-    dims: Qwen25Dims, attention: SparseAttentionConfig, flavor: str = "hf"
-) -> nn.Module:
+def build_model(dims: ModelDims, attention: SparseAttentionConfig, flavor: str = "hf") -> nn.Module:
     spec = model_registry(flavor, attention=attention, dims=dims)
     model = spec.model.build()
     model.init_weights()  # also fills the RoPE cache buffers
@@ -115,14 +108,14 @@ def load_from_config(
 
 
 def load_from_hf(hf_dir: str | Path, attention: str | None = None) -> LoadedModel:
-    """A Hugging Face Qwen2 directory (config.json + *.safetensors) into our model."""
+    """A Hugging Face directory (config.json + *.safetensors) of any supported family
+    into our model, the size its config.json describes."""
     from safetensors.torch import load_file
 
-    from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
-
     hf_dir = Path(hf_dir)
-    dims = dims_from_hf_config(read_hf_config(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    dims = hf_dims(hf_dir / "config.json")
     attn = _attention(SparseAttentionConfig(enabled=False), attention)
+    spec = model_registry("hf", attention=attn, dims=dims)
     model = build_model(dims, attn)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -130,10 +123,7 @@ def load_from_hf(hf_dir: str | Path, attention: str | None = None) -> LoadedMode
     hf_state: dict[str, torch.Tensor] = {}
     for f in files:
         hf_state.update(load_file(f))
-    adapter = Qwen25StateDictAdapter(
-        model_registry("hf", attention=attn, dims=dims).model, str(hf_dir)
-    )
-    state = adapter.from_hf(hf_state)
+    state = spec.state_dict_adapter(spec.model, str(hf_dir)).from_hf(hf_state)
     dtype = next(model.parameters()).dtype
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
     tok_dir = hf_dir if (hf_dir / "tokenizer.json").is_file() else TOKENIZER_DIR

@@ -13,7 +13,7 @@ from torchtitan.config import TrainingConfig
 
 from sb_titan.attention.layout import AttnMeta
 from sb_titan.attention.selection import select_blocks
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 from sb_titan.profiler.stage import PROFILE_POLICY, ProfilerError, profile_dtype
 
 

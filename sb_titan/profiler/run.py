@@ -40,7 +40,7 @@ from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.balance.cost_model import CostModel, Profile
 from sb_titan.balance.cost_model.options import CostModelOptions
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 from sb_titan.profiler.fingerprint import current_fingerprint
 from sb_titan.profiler.inputs import (
     AttentionInputs,

@@ -9,8 +9,8 @@ from typing import Protocol
 from torchtitan.config import ParallelismConfig, TrainingConfig
 
 from sb_titan.balance.cost_model import CostModelConfig
-from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
-from sb_titan.models.qwen2_5.model_config import ModelConfig
+from sb_titan.models.attention import SparseAttentionConfig
+from sb_titan.models.model_config import ModelConfig
 
 
 class ProfiledSections(Protocol):

@@ -16,7 +16,7 @@ from torchtitan.config import ParallelismConfig, TrainingConfig
 from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.compat.pipelining import llm_stage_modules, pipeline_metadata
-from sb_titan.models.qwen2_5.attention import SBAttention
+from sb_titan.models.attention import SBAttention
 
 CPU_MAX_STAGE_PARAMS = 60_000_000  # beyond this a CPU grid takes hours, not minutes
 

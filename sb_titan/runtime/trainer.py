@@ -50,11 +50,12 @@ from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import step_shape
 from sb_titan.data.loader import SBDataLoader, build_source
 from sb_titan.data.source import TokenSource, check_tokenizer, check_vocabulary, integrity_note
-from sb_titan.models.qwen2_5 import ModelConfig, derive_model_spec
-from sb_titan.models.qwen2_5.attention import (
+from sb_titan.models.attention import (
     SBAttention,
     SparseAttentionConfig,
 )
+from sb_titan.models.model_config import ModelConfig
+from sb_titan.models.registry import derive_model_spec
 from sb_titan.runtime import elastic
 from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.console import SBMetricsProcessor

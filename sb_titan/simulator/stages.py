@@ -9,7 +9,7 @@ from sb_titan.balance.cost_model import (
     DensityModel,
     analytic_stage_spec,
 )
-from sb_titan.models.qwen2_5 import Qwen25Dims
+from sb_titan.models.dims import ModelDims
 from sb_titan.simulator.cluster import Cluster
 
 
@@ -37,7 +37,7 @@ def stage_split(
     )
 
 
-def stage_param_count(dims: Qwen25Dims, layers: int, embedding: bool, head: bool) -> int:
+def stage_param_count(dims: ModelDims, layers: int, embedding: bool, head: bool) -> int:
     """Parameters whose gradients a stage reduces (q/k/v/o, SwiGLU, embedding, head)."""
     proj = dims.dim * dims.head_dim * (2 * dims.n_heads + 2 * dims.n_kv_heads)
     params = layers * (proj + 3 * dims.dim * dims.hidden_dim)
@@ -60,7 +60,7 @@ class CostModels:
 
 
 def build_cost_models(
-    dims: Qwen25Dims,
+    dims: ModelDims,
     cluster: Cluster,
     *,
     device: str | None,

@@ -12,7 +12,7 @@ from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import StepShape
-from sb_titan.models.qwen2_5 import Qwen25Dims
+from sb_titan.models.dims import ModelDims
 from sb_titan.simulator.cluster import Cluster, Network
 from sb_titan.simulator.replay import Timeline, replay
 from sb_titan.simulator.schedules import schedule_orders
@@ -70,7 +70,7 @@ class Simulator:
     """Everything fixed across steps: the cluster, the models, the schedule orders."""
 
     cluster: Cluster
-    dims: Qwen25Dims
+    dims: ModelDims
     models: CostModels
     dst: DSTConfig
     selection: str = "mass"  # the budget's selection policy

@@ -1,15 +1,16 @@
-"""`sb-export`: a trained DCP checkpoint -> a Hugging Face Qwen2.5 directory.
+"""`sb-export`: a trained DCP checkpoint -> a Hugging Face directory (Qwen2, Qwen3 or Llama).
 
     sb-export --checkpoint outputs/debug_cpu/checkpoint --out exported/debug
 
 The checkpoint's own config (its run record) gives the model's shape; `--config X.toml`
 is accepted if it agrees with it, and is needed for a checkpoint saved without one.
 
-Writes model.safetensors (names through Qwen25StateDictAdapter.to_hf), a transformers
-Qwen2Config config.json, generation_config.json and the tokenizer files, so that
+Writes model.safetensors (names through the family's state-dict adapter), the family's
+transformers config.json (Qwen2Config, Qwen3Config or LlamaConfig, RoPE scaling
+included), generation_config.json and the tokenizer files, so that
 `transformers.AutoModelForCausalLM.from_pretrained(out)` and `sb-eval --hf out` work.
 Sparse attention is a training/inference *method*, not weights: the export is a plain
-dense Qwen2 model.
+dense model of its family.
 """
 
 from __future__ import annotations
@@ -24,59 +25,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch and the model are imported by the work, not by --help
     import torch
 
-    from sb_titan.models.qwen2_5 import Qwen25Dims
+    from sb_titan.models.dims import ModelDims
 
 DTYPES = ("bfloat16", "float16", "float32")  # torch dtypes the weights can be saved in
 
 
-def hf_config(dims: Qwen25Dims, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
-    """config.json for transformers' Qwen2ForCausalLM (v4 and v5 rope fields both set)."""
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "hidden_size": dims.dim,
-        "intermediate_size": dims.hidden_dim,
-        "num_hidden_layers": dims.n_layers,
-        "num_attention_heads": dims.n_heads,
-        "num_key_value_heads": dims.n_kv_heads,
-        "head_dim": dims.head_dim,
-        "vocab_size": dims.vocab_size,
-        "max_position_embeddings": dims.max_seq_len,
-        "rms_norm_eps": dims.norm_eps,
-        "rope_theta": dims.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": dims.rope_theta},
-        "hidden_act": "silu",
-        "tie_word_embeddings": dims.tie_embeddings,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": dims.n_layers,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "torch_dtype": dtype,
-        "dtype": dtype,
-    }
+def hf_config(dims: ModelDims, dtype: str, bos_id: int | None, eos_id: int | None) -> dict:
+    """config.json for transformers' class of the model's family."""
+    from sb_titan.models.hf_config import hf_model_config
+    from sb_titan.models.registry import FAMILIES
+
+    model = hf_model_config(dims, FAMILIES[dims.family])
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    return model | ids | {"torch_dtype": dtype, "dtype": dtype}
 
 
 def export_model(
-    model: torch.nn.Module, dims: Qwen25Dims, out: Path, dtype: str = "float32"
+    model: torch.nn.Module, dims: ModelDims, out: Path, dtype: str = "float32"
 ) -> Path:
-    """Write model.safetensors + config.json for `model` (a built Qwen2.5) into `out`."""
+    """Write model.safetensors for `model` (built from `dims`) into `out`."""
     import torch
     from safetensors.torch import save_file
 
-    from sb_titan.models.qwen2_5 import model_registry
-    from sb_titan.models.qwen2_5.state_dict_adapter import Qwen25StateDictAdapter
+    from sb_titan.models.registry import model_registry
 
-    if dims.head_dim * dims.n_heads != dims.dim:
-        print(
-            f"sb-export: note: head_dim {dims.head_dim} x {dims.n_heads} heads != hidden "
-            f"{dims.dim}; config.json sets head_dim explicitly (needs a transformers that reads it)"
-        )
     spec = model_registry("hf", dims=dims)
-    adapter = Qwen25StateDictAdapter(spec.model, None)
+    adapter = spec.state_dict_adapter(spec.model, None)
     hf_state = adapter.to_hf({k: v.detach() for k, v in model.state_dict().items()})
     # safetensors refuses shared storage; untied copies are exact and contiguous.
     to = getattr(torch, dtype)

@@ -13,7 +13,7 @@ from sb_titan.balance.cost_model.blocks import block_pairs
 from sb_titan.balance.cost_model.profile import Profile
 
 if TYPE_CHECKING:  # a name only: the cost model runs without the model code
-    from sb_titan.models.qwen2_5.flavors import Qwen25Dims
+    from sb_titan.models.dims import ModelDims
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def analytic_spec(
 
 
 def analytic_stage_spec(
-    dims: Qwen25Dims, layers: int, head: bool, device: str, block_size: int
+    dims: ModelDims, layers: int, head: bool, device: str, block_size: int
 ) -> AnalyticSpec:
     """The analytic spec of one pipeline stage of a model with Qwen2.5-style `dims`
     (dim, n_heads, n_kv_heads, head_dim, hidden_dim, vocab_size); `head`: the stage

@@ -8,8 +8,8 @@ from typing import Protocol
 
 from torchtitan.config import TrainingConfig
 
-from sb_titan.models.qwen2_5.attention import SparseAttentionConfig
-from sb_titan.models.qwen2_5.model_config import ModelConfig
+from sb_titan.models.attention import SparseAttentionConfig
+from sb_titan.models.model_config import ModelConfig
 
 
 class InitialLoad(Protocol):

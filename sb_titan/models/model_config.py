@@ -1,4 +1,4 @@
-"""The `[model]` section: which Qwen2.5 to build. It lives with the model; the trainer's
+"""The `[model]` section: which model to build. It lives with the model; the trainer's
 config only holds it, and the model spec is derived from it (with `[sparse_attention]`)
 where the trainer is built, never stored (`derive_model_spec`)."""
 
@@ -6,15 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sb_titan.models.qwen2_5.flavors import Flavor
+from sb_titan.models.dims import FamilyName
+from sb_titan.models.flavors import Flavor
 
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The `[model]` section: which Qwen2.5 to build."""
+    """The `[model]` section: which model to build."""
 
+    family: FamilyName | None = None
+    """`qwen2_5` (also Qwen2), `qwen3` (dense) or `llama3` (3, 3.1, 3.2); None: an HF
+    initial load's config.json model_type, else qwen2_5."""
     flavor: Flavor = "debug"
-    """Model size: `debug` (tiny, for CPU) or a published Qwen2.5 size."""
+    """Model size: `debug` (tiny, for CPU), a released size of the family, or `hf`: the
+    model an HF initial load's config.json describes, whatever its size."""
     tie_embeddings: bool | None = None
     """Override the flavor's tying (pipeline parallelism needs untied)."""
     rope_theta: float | None = None
