@@ -4,4 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
 sb_ensure_venv
-exec .venv/bin/python -m pytest "$@"
+# Two workers (SB_TEST_WORKERS, 0 for none): torchrun tests spend part of their time
+# waiting (rendezvous, checkpoint I/O, restarts), which the other worker fills. Each
+# module stays on one worker (tests/conftest.py), so its shared runs launch once.
+workers="${SB_TEST_WORKERS:-2}"
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"

@@ -222,6 +222,36 @@ def tiny_qwen_tokenizer(
     return path
 
 
+# -- two workers (./run_tests.sh runs pytest-xdist with --dist loadgroup) -------------------------
+SHARED_RUN_MODULES = {"test_measurements": "dp2_sab_dst", "test_train_torchrun": "dp2_sab_dst"}
+"""Modules that assert on one session-scoped run: they share a worker, so it runs once."""
+SLOWEST_MODULES = [
+    "test_cp_training",
+    "test_elastic",
+    "test_train_torchrun",
+    "test_launch",
+    "test_dst_torchrun",
+    "test_accuracy_bench",
+    "test_checkpoint_integrity",
+    "test_dst_balance",
+    "test_config",
+    "test_compile",
+    "test_gpu_bench",
+]
+"""Handed out first (the slowest measured, CONTRIBUTING.md): the scheduler gives whole
+modules to the worker that is free, and a long module started last would finish last."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each module runs on one worker (its module-scoped runs launch once there), the
+    slowest modules first."""
+    for item in items:
+        module = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_MODULES.get(module, module)))
+    rank = {m: i for i, m in enumerate(SLOWEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A randomly initialised debug model saved as a DCP step (the eval CLIs' input)."""
