@@ -71,6 +71,7 @@ def report(
         "format": JSON_FORMAT,
         "version": JSON_VERSION,
         "setup": {
+            "family": sim.dims.family,
             "flavor": sc.flavor,
             "gpus": cluster.gpus,
             **dataclasses.asdict(cluster),
