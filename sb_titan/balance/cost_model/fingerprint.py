@@ -38,14 +38,15 @@ LEGACY_DEFAULTS = {"family": "qwen2_5"}
 recipe trained only Qwen2.5 before it had families."""
 
 
-def with_legacy_defaults(fp: dict[str, Any]) -> dict[str, Any]:
-    """A profile's fingerprint with the keys older profiles lack filled in."""
-    return {**LEGACY_DEFAULTS, **fp}
+def with_legacy_defaults(fp: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """A profile's fingerprint with the keys `expected` checks that older profiles lack
+    filled in."""
+    return {**{k: v for k, v in LEGACY_DEFAULTS.items() if k in expected}, **fp}
 
 
 def fingerprint_diffs(have: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """Keys of `expected` whose value in `have` (the profile's) differs, sorted."""
-    have = with_legacy_defaults(have)
+    have = with_legacy_defaults(have, expected)
     return [k for k in sorted(expected) if have.get(k, _MISSING) != expected[k]]
 
 
@@ -65,7 +66,7 @@ def check_fingerprint(
     """The differing keys. Raises ProfileError (one line naming `source` and both
     shapes) on a shape difference unless allowed, and on any difference under strict;
     warns for the rest."""
-    have = with_legacy_defaults(have)
+    have = with_legacy_defaults(have, expected)
     diffs = fingerprint_diffs(have, expected)
     if not diffs:
         return diffs
