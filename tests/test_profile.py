@@ -122,7 +122,8 @@ def test_a_profile_of_another_family_is_refused_and_old_profiles_are_qwen2_5(pro
     old = json.loads(profiled.read_text())
     del old["fingerprint"]["family"]
     (tmp_path / "old.json").write_text(json.dumps(old))
-    sbp.load_cost_model(tmp_path / "old.json", _config(), _model(_config()))
+    accepted = sbp.load_cost_model(tmp_path / "old.json", _config(), _model(_config()))
+    assert accepted.profile.source == str(tmp_path / "old.json")
     with pytest.raises(ProfileError, match="family=qwen2_5"):
         sbp.load_cost_model(tmp_path / "old.json", qwen3, _model(qwen3))
 
