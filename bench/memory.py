@@ -5,8 +5,10 @@
 1. Trace a slice of each config under FakeTensorMode (no memory is allocated): the
    embedding, the dense layer 0, one sparse layer, final norm + lm_head + the config's
    loss, forward and backward, one micro-batch at the config's seq_len, bf16 compute
-   (FSDP's mixed precision), the config's activation checkpointing. A dispatch mode
-   counts live tensor bytes, the peak between marks, and every tensor shape.
+   (FSDP's mixed precision), the config's activation checkpointing; under context
+   parallelism one CP rank's share of the row, with the row's K/V gathered and the
+   row-sized buffers of its attention. A dispatch mode counts live tensor bytes, the
+   peak between marks, and every tensor shape.
 2. Scale it to every pipeline stage of the full model under 1F1B: per-layer saved
    activations x layers of the stage x micro-batches in flight, plus the largest
    transient (one layer's recompute + backward, or the chunked loss), plus parameters,
@@ -59,7 +61,12 @@ from sb_titan.attention.layout import AttnMeta, doc_ids_from_positions  # noqa: 
 from sb_titan.attention.selection import STATS_SIZE, AttnStats  # noqa: E402
 
 OUT = REPO / "bench" / "results" / "memory.json"
-CLUSTER_CONFIGS = ("qwen2.5_0.5b_64k.toml", "qwen2.5_3b_128k.toml")
+CLUSTER_CONFIGS = (
+    "qwen2.5_0.5b_64k.toml",
+    "qwen2.5_3b_128k.toml",
+    "qwen3_4b_128k.toml",
+    "llama3_8b_64k.toml",
+)
 GPUS_GB = {"H100": 80.0, "H200": 141.0}  # decimal GB, as the vendors state them
 GB = 1e9
 SELECTION_CHUNK_BLOCKS = 256  # select_blocks' default chunk of query blocks
@@ -203,12 +210,98 @@ def _fake_selection(q, k, doc_id, block_size: int, beta: float) -> list[torch.Te
         work = [torch.empty_like(prob) for _ in range(3)]  # sort key, sorted mass, cumsum
         work.append(torch.empty(prob.shape, dtype=torch.int64, device=q.device))  # order
         del prob, allowed, work
-    shapes = block_table_shapes(B, Hkv, L, block_size, beta)
+    return _fake_table(B, Hkv, L, block_size, beta, q.device)
+
+
+def _fake_table(batch, kv_heads, seq_len, block_size, beta, device) -> list[torch.Tensor]:
+    """Empty tensors of a BlockTable's fields (`block_table_shapes`)."""
+    shapes = block_table_shapes(batch, kv_heads, seq_len, block_size, beta)
     dtypes = {"kv_ptr": torch.int64, "q_ptr": torch.int64}
     return [
-        torch.empty(s, dtype=dtypes.get(name, torch.int32), device=q.device)
+        torch.empty(s, dtype=dtypes.get(name, torch.int32), device=device)
         for name, s in shapes.items()
     ]
+
+
+class _FakeAllGather(torch.autograd.Function):
+    """Memory of CP's K/V exchange (context_parallel/attention.py): the all-gather's
+    rank-major row, reordered into a second row-sized tensor; backward reduce-scatters
+    the row's dK/dV (stacked, scattered back to rank-major) to the shard."""
+
+    @staticmethod
+    def forward(ctx, kv, length: int, degree: int):
+        ctx.degree = degree
+        gathered = kv.new_empty(*kv.shape[:3], length, kv.shape[4])
+        row = torch.empty_like(gathered)  # .gather(3, order): row order
+        del gathered
+        return row
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank_major = torch.empty_like(grad)
+        shard = grad.new_empty(*grad.shape[:3], grad.shape[3] // ctx.degree, grad.shape[4])
+        del rank_major
+        return shard, None, None
+
+
+class _FakeLocalQueries(torch.autograd.Function):
+    """Memory of CP's `_LocalQueries`: the shard's queries at their row positions in a
+    row-sized zero query, with row-sized output and log-sum-exp, built and dropped inside
+    forward and again in backward; saved: the shard's q, out and lse, the gathered K/V.
+    Dense layers too run the block-sparse kernels (on a full table), so backward has
+    their fp32 dK/dV partials (`_FakeAttention`)."""
+
+    @staticmethod
+    def forward(ctx, q, k_row, v_row, *saved):
+        B, H, Lr, D = q.shape
+        L = k_row.shape[2]
+        q_row = q.new_zeros(B, H, L, D)
+        out_row = torch.empty_like(q_row)
+        lse_row = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+        out, lse = out_row[:, :, :Lr].clone(), lse_row[:, :, :Lr].clone()  # _from_row
+        del q_row, out_row, lse_row
+        ctx.n_saved = len(saved)
+        ctx.save_for_backward(q, k_row, v_row, out, lse, *saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k_row, v_row, *_ = ctx.saved_tensors
+        B, H, Lr, D = q.shape
+        L = k_row.shape[2]
+        rows = [q.new_zeros(B, H, L, D) for _ in range(3)]  # grad, q, out at row positions
+        lse_row = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+        delta = torch.empty_like(lse_row)
+        partials = [torch.empty_like(k_row, dtype=torch.float32) for _ in range(2)]
+        dq_row, dk, dv = torch.empty_like(rows[0]), torch.empty_like(k_row), torch.empty_like(v_row)
+        dq = dq_row[:, :, :Lr].clone()
+        del rows, lse_row, delta, partials, dq_row
+        return (dq, dk, dv) + (None,) * ctx.n_saved
+
+
+def _fake_cp_attention(beta: float, calls: AttentionCalls):
+    """context_parallel.attention.cp_attention's memory on one CP rank: gather K/V of the
+    row, select this rank's blocks with the row-sized query the estimator scans (dense:
+    the full table), attend the shard's queries. Tables are sized for the whole row at
+    the budget: an upper bound on one rank's."""
+
+    def cp_attention(q, k, v, doc_id, split, rank, group_name, *, budget, **_):
+        L, bs = doc_id.shape[1], split.block_size
+        k_row, v_row = _FakeAllGather.apply(torch.stack([k, v]), L, split.degree).unbind(0)
+        with torch.no_grad():
+            if budget is not None:
+                calls.sparse += 1
+                q_row = q.new_zeros(*q.shape[:2], L, q.shape[3])  # kept until the op returns
+                table = _fake_selection(q_row, k_row, doc_id, bs, beta)
+            else:
+                calls.dense += 1
+                table = _fake_table(q.shape[0], k.shape[1], L, bs, 1.0, q.device)
+        out = _FakeLocalQueries.apply(q, k_row, v_row, doc_id, *table)
+        zeros = torch.zeros(q.shape[0], device=q.device)
+        stats = AttnStats.estimated(density=zeros, recall=zeros, tokens=zeros)
+        return out, (stats if budget is not None else None)
+
+    return cp_attention
 
 
 @dataclass
@@ -220,7 +313,8 @@ class AttentionCalls:
 @contextlib.contextmanager
 def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCalls]:
     """Swap the model's attention entry points (models/attention.py imports
-    `sparse_attention` and `dense_document_attention`) for memory-faithful fakes;
+    `sparse_attention`, `dense_document_attention` and `cp_attention`) for
+    memory-faithful fakes;
     `fake_dense=False` keeps whatever `dense_document_attention` is (the tests' negative
     control puts the old L x L mask path there)."""
     calls = AttentionCalls()
@@ -243,13 +337,16 @@ def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCa
         return _FakeAttention.apply(q, k, v, True)
 
     saved = sb_attention.sparse_attention, sb_attention.dense_document_attention
+    saved_cp = sb_attention.cp_attention
     sb_attention.sparse_attention = sparse
+    sb_attention.cp_attention = _fake_cp_attention(beta, calls)
     if fake_dense:
         sb_attention.dense_document_attention = dense
     try:
         yield calls
     finally:
         sb_attention.sparse_attention, sb_attention.dense_document_attention = saved
+        sb_attention.cp_attention = saved_cp
 
 
 # ----------------------------------------------------------------------------- the slice
@@ -320,17 +417,25 @@ def trace_slice(
     beta: float = 1.0,
     fake_dense: bool = True,
 ) -> SliceTrace:
-    """Forward + backward of one micro-batch of the slice on fake tensors: `seq_len`
-    tokens (default the config's), RoPE table of `rope_len` positions (default seq_len,
-    as the trainer sets it), block tables sized for budget `beta`."""
+    """Forward + backward of one micro-batch of the slice on fake tensors: rows of
+    `seq_len` tokens (default the config's), RoPE table of `rope_len` positions (default
+    seq_len, as the trainer sets it), block tables sized for budget `beta`. Under
+    context parallelism (degree N) one CP rank's: its L / N tokens through the model,
+    the row's K/V gathered in every attention layer."""
     seq_len = seq_len or config.training.seq_len
     rope_len = rope_len or seq_len
     batch = config.parallelism.pipeline_parallel_microbatch_size
+    cp = config.parallelism.context_parallel_degree
+    tokens_per_rank = seq_len // cp
     dtype = _DTYPES[config.training.mixed_precision_param]
     model_config = slice_model_config(config, rope_len)
     with FakeTensorMode(), fake_attention(beta, fake_dense) as calls:
         model = model_config.build()
         _to_compute_dtype(model, dtype)
+        if cp > 1:  # every layer takes the CP path (SBAttention._context_parallel)
+            for module in model.modules():
+                if isinstance(module, sb_attention.SBAttention):
+                    module.cp = sb_attention.CPGroup(0, "memory-trace")
         if config.activation_checkpoint is not None:
             config.activation_checkpoint.build().apply(model)
         loss_fn, chunked = _loss_fn(config)
@@ -340,30 +445,38 @@ def trace_slice(
         timeline = MemoryTimeline()
         for name in ("tok_embeddings", "layers.0", "layers.1"):
             mark_module(model.get_submodule(name), timeline, name)
-        positions = torch.arange(seq_len).expand(batch, seq_len)
-        tokens = torch.zeros(batch, seq_len, dtype=torch.int64)
-        labels = torch.zeros(batch, seq_len, dtype=torch.int64)
+        positions = torch.arange(tokens_per_rank).expand(batch, tokens_per_rank)
+        tokens = torch.zeros(batch, tokens_per_rank, dtype=torch.int64)
+        labels = torch.zeros(batch, tokens_per_rank, dtype=torch.int64)
         for t in (*model.parameters(), *model.buffers()):  # views of them are not new bytes
             timeline.track(t)
         with timeline:
             meta = AttnMeta(
-                doc_id=doc_ids_from_positions(positions),
+                doc_id=doc_ids_from_positions(torch.arange(seq_len).expand(batch, seq_len)),
                 budget=torch.full((batch,), beta),
                 microbatch=torch.tensor(0),
                 stats=torch.zeros(STATS_SIZE),
+                cp_blocks=_cp_blocks(batch, seq_len, cp, config) if cp > 1 else None,
             )
             timeline.mark("start")
             pred = model(tokens, positions=positions, attention_masks=meta)
             timeline.mark("loss_start")
-            loss, _ = loss_fn(pred, labels, torch.tensor(batch * seq_len))
+            loss, _ = loss_fn(pred, labels, torch.tensor(batch * tokens_per_rank))
             timeline.mark("loss_end")
             del pred
             timeline.mark("backward_start")
             loss.backward()
             timeline.mark("end")
         layer_buffers = sum(b.nbytes for b in model.get_submodule("layers.1").buffers())
-    hidden = batch * seq_len * model_config.dim * dtype.itemsize
+    hidden = batch * tokens_per_rank * model_config.dim * dtype.itemsize
     return _summarize(timeline, calls, seq_len, rope_len, hidden, layer_buffers)
+
+
+def _cp_blocks(batch: int, seq_len: int, cp: int, config: Any) -> torch.Tensor:
+    """AttnMeta.cp_blocks of a contiguous split (which blocks a rank owns does not change
+    the bytes)."""
+    nb = seq_len // config.sparse_attention.block_size
+    return torch.arange(nb).view(cp, nb // cp).expand(batch, cp, nb // cp)
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -444,10 +557,11 @@ def static_bytes(config: Any, params: int, buffers: int) -> dict[str, int]:
     (PipelineStage.backward_maybe_with_nosync), so the stage's parameters stay gathered
     in the compute dtype and its gradients accumulate unsharded in the reduce dtype
     until the step's end; the fp32 master weights, their gradients and AdamW's two
-    moments are sharded over data_parallel_shard_degree. Without PP this overstates
-    (FSDP reshards every block after use)."""
-    t = config.training
-    dp = max(1, config.parallelism.data_parallel_shard_degree)
+    moments are sharded over data_parallel_shard_degree x context_parallel_degree
+    (TorchTitan's FSDP mesh spans both). Without PP this overstates (FSDP reshards every
+    block after use)."""
+    t, p = config.training, config.parallelism
+    dp = max(1, p.data_parallel_shard_degree) * p.context_parallel_degree
     master = _DTYPES[t.dtype].itemsize
     return {
         "params_gathered": params * _DTYPES[t.mixed_precision_param].itemsize,
@@ -522,8 +636,11 @@ def _stages(config: Any, model: Any, trace: SliceTrace) -> list[StageMemory]:
     return [stage_memory(config, model, trace, s, m) for s, m in enumerate(layout)]
 
 
-def config_memory(path: Path) -> dict[str, Any]:
+def config_memory(path: Path, plain_loss: bool = True) -> dict[str, Any]:
+    """`path`'s stages and peak; `plain_loss`: also what TorchTitan's plain loss would
+    need (a second trace of a config that chunks its loss)."""
     from sb_titan.config.toml import checked_model_spec, load_config
+    from sb_titan.models.registry import family_of_decoder
 
     config = load_config(path)
     model = checked_model_spec(config, path).model
@@ -531,7 +648,7 @@ def config_memory(path: Path) -> dict[str, Any]:
     stages = _stages(config, model, trace := trace_slice(config))
     worst = max(stages, key=lambda st: st.peak_gb)
     unchunked = None
-    if _loss_fn(config)[1]:  # what the same run would need with TorchTitan's plain loss
+    if plain_loss and _loss_fn(config)[1]:  # the same run with TorchTitan's plain loss
         plain = copy.copy(config)
         plain.loss = CrossEntropyLoss.Config()
         unchunked = max(st.peak_gb for st in _stages(plain, model, trace_slice(plain)))
@@ -539,6 +656,7 @@ def config_memory(path: Path) -> dict[str, Any]:
     p = config.parallelism
     return {
         "config": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+        "family": family_of_decoder(model),
         "flavor": config.model.flavor,
         "seq_len": config.training.seq_len,
         "loss": type(config.loss).__qualname__.removesuffix(".Config"),
@@ -547,6 +665,7 @@ def config_memory(path: Path) -> dict[str, Any]:
         if config.activation_checkpoint is not None
         else "none",
         "pp": p.pipeline_parallel_degree,
+        "cp": p.context_parallel_degree,
         "schedule": p.pipeline_parallel_schedule,
         "dp_shard": p.data_parallel_shard_degree,
         "microbatches": config.training.local_batch_size // p.pipeline_parallel_microbatch_size,
@@ -577,7 +696,7 @@ def _gb(x: float) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     """Summary per config (its worst stage), then every stage of the pipelined configs."""
     lines = [
-        "| config | L | loss | PP x DP | worst stage | params, grads, AdamW GB | "
+        "| config | L | loss | PP x CP x DP | worst stage | params, grads, AdamW GB | "
         "activations + buffers GB | largest transient GB | peak GB | needed GB | target "
         "| H100 80 | H200 141 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -590,7 +709,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         loss = r["loss"] + (f" /{r['loss_num_chunks']}" if r["loss_num_chunks"] > 1 else "")
         dp = r["dp_shard"] if r["dp_shard"] > 0 else "auto"
         lines.append(
-            f"| {Path(r['config']).stem} | {r['seq_len']} | {loss} | {r['pp']} x {dp} "
+            f"| {Path(r['config']).stem} | {r['seq_len']} | {loss} | {r['pp']} x {r['cp']} x {dp} "
             f"| {worst['stage']} ({worst['microbatches_in_flight']} in flight) | {_gb(static)} "
             f"| {_gb(acts)} | {_gb(parts['largest_transient'])} | {_gb(r['peak_gb'])} "
             f"| {_gb(r['needed_gb'])} | {r['target']} | "
@@ -638,8 +757,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="*", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--no-plain-loss",
+        action="store_true",
+        help="skip the second trace with TorchTitan's plain loss (the last column)",
+    )
     args = parser.parse_args(argv)
-    rows = [config_memory(p.resolve()) for p in (args.configs or shipped_configs())]
+    configs = args.configs or shipped_configs()
+    rows = [config_memory(p.resolve(), not args.no_plain_loss) for p in configs]
     report = {
         "what": "peak memory per GPU from a FakeTensorMode trace of one slice, scaled",
         "torch": torch.__version__,

@@ -171,6 +171,7 @@ def test_help_choices_are_the_librarys():
     stay the libraries' own."""
     from sb_titan.balance.cost_model import ANALYTIC_DEVICES
     from sb_titan.balance.dst import ANCHORS
+    from sb_titan.models.flavors import FAMILY_FLAVORS
     from sb_titan.profiler.stage import SCOPES
     from sb_titan.profiler.timing import CLOCKS
     from sb_titan.simulator.cluster import SCHEDULES
@@ -179,6 +180,7 @@ def test_help_choices_are_the_librarys():
 
     assert simulate.SCHEDULES == SCHEDULES and simulate.ANCHORS == ANCHORS
     assert simulate.DEVICES == tuple(sorted(ANALYTIC_DEVICES))
+    assert simulate.FAMILIES == tuple(sorted(FAMILY_FLAVORS))
     assert simulate.BASELINE_POLICIES == BASELINE_POLICIES
     assert profile.SCOPES == SCOPES and profile.CLOCKS == CLOCKS
 

@@ -115,7 +115,9 @@ def test_bad_loss_table_is_one_clear_line(tmp_path, text, needle):
     assert str(path) in str(err.value) and needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5_0.5b_64k", "qwen2.5_3b_128k"])
+@pytest.mark.parametrize(
+    "name", ["qwen2.5_0.5b_64k", "qwen2.5_3b_128k", "qwen3_4b_128k", "llama3_8b_64k"]
+)
 def test_cluster_configs_chunk_the_loss(name):
     """~2K tokens per chunk: fp32 logits of one chunk are 1.2 GB, not 40-80 GB a row."""
     config = load_config(REPO / "train_configs" / f"{name}.toml")

@@ -1,12 +1,13 @@
 """Linear memory in L, shown without a GPU (bench/memory.py traces on fake tensors).
 
-For each shipped cluster config: forward + backward of a slice (embedding, dense layer
-0, one sparse layer, final norm + head + the config's loss) at its seq_len L and at L/2,
-with RoPE tables of 2L positions. No tensor may have two dims >= L/4 (a token x token
-tensor, or full-row logits), and the activation peak must scale as L. The attention
-entry points are memory-faithful fakes (bench/memory.py says why); the negative controls
-show the check catches an L x L dense mask and an unchunked loss. Block tables are
-measured on real selections.
+For the Qwen2.5 cluster configs (64K, 128K): forward + backward of a slice (embedding,
+dense layer 0, one sparse layer, final norm + head + the config's loss) at its seq_len L
+and at L/2, with RoPE tables of 2L positions. No tensor may have two dims >= L/4 (a
+token x token tensor, or full-row logits), and the activation peak must scale as L. The
+attention entry points are memory-faithful fakes (bench/memory.py says why); the
+negative controls show the check catches an L x L dense mask and an unchunked loss. A
+CP = 2 rank keeps half a block's activations. Every shipped config fits its target GPU.
+Block tables are measured on real selections.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ sys.modules["bench_memory"] = memory  # dataclasses look their module up
 _spec.loader.exec_module(memory)
 
 CLUSTER = [c.removesuffix(".toml") for c in memory.CLUSTER_CONFIGS]
+# Tracing a config twice at full length costs about a minute of CPU for a 128K row: the
+# linearity checks run on the Qwen2.5 configs (64K and 128K); the other families' configs
+# are the same slice with other widths, and the fit test below traces every config.
+LINEARITY = ["qwen2.5_0.5b_64k", "qwen2.5_3b_128k"]
 
 
 def _config(name: str):
     return load_config(REPO / "train_configs" / f"{name}.toml")
 
 
-@pytest.fixture(scope="module", params=CLUSTER)
+@pytest.fixture(scope="module", params=LINEARITY)
 def traces(request):
     config = _config(request.param)
     L = config.training.seq_len
@@ -83,6 +88,28 @@ def test_shape_check_catches_the_dense_mask_and_the_unchunked_loss(monkeypatch):
     config.loss = CrossEntropyLoss.Config()
     trace = memory.trace_slice(config, seq_len=n)
     assert ((n, 151936), "torch.float32") in trace.token_square_shapes(n // 4)
+
+
+def test_a_cp_rank_keeps_its_share_and_gathers_the_row():
+    """Context parallelism (0.5B, L = 8K): a CP = 2 rank runs L/2 tokens, so each block
+    keeps half the activations (full AC: its input); its attention gathers the row's
+    K/V and builds row-sized query and output inside the op (context_parallel/
+    attention.py); and the fp32 state shards over DP x CP, TorchTitan's FSDP mesh."""
+    n, path = 8192, REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
+    cp = [
+        "--parallelism.context_parallel_degree",
+        "2",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+    ]
+    one, two = load_config(path), load_config(path, cp)
+    t1, t2 = (memory.trace_slice(c, seq_len=n) for c in (one, two))
+    for kind in ("dense", "sparse"):
+        assert 2 * t2.layers[kind].saved == t1.layers[kind].saved, kind
+    assert t2.calls.sparse >= 1 and t2.calls.dense >= 1
+    bf16 = torch.bfloat16
+    assert {((1, n // 2, 896), bf16), ((1, 14, n, 64), bf16), ((1, 2, n, 64), bf16)} <= t2.shapes
+    assert memory.static_bytes(two, 10**6, 0)["params_grads_adamw_sharded"] == 16 * 10**6 // 4
 
 
 def _doc_id(lengths: list[int]) -> torch.Tensor:
@@ -133,7 +160,7 @@ def test_fake_tables_match_real_selection_on_one_document():
 
 
 def test_shipped_configs_fit_their_target_gpu(tmp_path):
-    rows = memory.main(["--out", str(tmp_path / "memory.json")])
+    rows = memory.main(["--out", str(tmp_path / "memory.json"), "--no-plain-loss"])
     by_name = {row["config"]: row for row in rows}
     for name in CLUSTER:
         row = by_name[f"train_configs/{name}.toml"]

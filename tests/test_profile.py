@@ -13,7 +13,7 @@ from conftest import DEBUG_TOML, REPO
 
 from sb_titan import profiler as sbp
 from sb_titan.balance.cost_model import CostModel, Profile, ProfileError
-from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS
+from sb_titan.balance.cost_model.fingerprint import SHAPE_KEYS, with_legacy_defaults
 from sb_titan.config.toml import load_config
 from sb_titan.models.attention import SBAttention
 from sb_titan.models.registry import derive_model_spec
@@ -103,11 +103,29 @@ def test_fingerprint_mismatch_warns_through_the_trainer_loader(profiled, one_thr
 def test_a_profile_of_another_model_shape_is_refused_through_the_trainer_loader(profiled):
     deeper = _config("--model.flavor", "debug4")
     with pytest.raises(
-        ProfileError, match=r"another model shape: profile \[flavor=debug .*layers=2"
+        ProfileError, match=r"another model shape: profile \[family=qwen2_5 flavor=debug .*layers=2"
     ):
         sbp.load_cost_model(profiled, deeper, _model(deeper))
     allowed = _config("--model.flavor", "debug4", "--cost_model.allow_shape_mismatch")
     assert sbp.load_cost_model(profiled, allowed, _model(allowed)).profile.source == str(profiled)
+
+
+def test_a_profile_of_another_family_is_refused_and_old_profiles_are_qwen2_5(profiled, tmp_path):
+    """Qwen3's debug flavor has Qwen2.5 debug's shapes but QK-norm and no q/k/v biases:
+    a profile names the family it timed. One written before fingerprints named it
+    (the shipped ones) was timed on Qwen2.5."""
+    qwen3 = _config("--model.family", "qwen3")
+    assert _model(qwen3).dim == _model(_config()).dim  # same shapes, another decoder
+    with pytest.raises(ProfileError, match=r"profile \[family=qwen2_5 flavor=debug .*"
+                       r"this run \[family=qwen3 flavor=debug"):  # fmt: skip
+        sbp.load_cost_model(profiled, qwen3, _model(qwen3))
+    old = json.loads(profiled.read_text())
+    del old["fingerprint"]["family"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    accepted = sbp.load_cost_model(tmp_path / "old.json", _config(), _model(_config()))
+    assert accepted.profile.source == str(tmp_path / "old.json")
+    with pytest.raises(ProfileError, match="family=qwen2_5"):
+        sbp.load_cost_model(tmp_path / "old.json", qwen3, _model(qwen3))
 
 
 def test_every_fingerprint_key_is_either_shape_or_environment(one_thread):
@@ -220,8 +238,9 @@ def test_every_shipped_profile_matches_the_config_it_is_named_for(profile):
     config_path = REPO / "train_configs" / f"{profile.stem}.toml"
     assert config_path.is_file(), f"{profile} has no train_configs/{profile.stem}.toml"
     config = load_config(config_path)
-    have = json.loads(profile.read_text())["fingerprint"]
     expected = sbp.current_fingerprint(config, _model(config), device="cpu")
+    # written before fingerprints named the family: read as Qwen2.5's, as the loader does
+    have = with_legacy_defaults(json.loads(profile.read_text())["fingerprint"], expected)
     diffs = {
         k: (have.get(k), v)
         for k, v in expected.items()

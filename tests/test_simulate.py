@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from sb_titan.balance.dst import DSTConfig, tune_budgets
 from sb_titan.balance.sab import Planner, SABConfig
@@ -301,3 +302,36 @@ def test_cli_cp(tmp_path, capsys):
     assert "sparse_balanced" in capsys.readouterr().out
     assert main(argv[:-2] + ["--pp", "2"]) == 2
     assert main(["--flavor", "0.5b", "--cp", "3", "--dp", "1", "--seq-len", "16384"]) == 2
+
+
+def test_the_simulator_prices_the_model_a_config_builds():
+    """sb-simulate --config prices the config's family and size. Qwen3-4B (config.json:
+    width 2560, 36 layers, 32 query and 8 KV heads of head_dim 128, SwiGLU 9728, vocabulary
+    151936) has attention 4096 wide, not its width: Qwen2.5's rule hidden / heads = 80
+    would price its projections and block pairs 37.5% lower. By hand, per stage: FLOPs
+    6 x params per token, and 14 b^2 D Hq per block pair and layer."""
+    from sb_titan.balance.cost_model import ANALYTIC_DEVICES
+    from sb_titan.tools.simulate import _parser, _resolve
+
+    config = REPO / "train_configs" / "qwen3_4b_128k.toml"
+    args = ["--config", str(config), "--dp", "2", "--device", "h100", "--steps", "1"]
+    cluster, sc = _resolve(_parser().parse_args(args))
+    assert (sc.model.family, sc.model.head_dim, sc.model_name) == ("qwen3", 128, "qwen3 4b")
+    h100 = ANALYTIC_DEVICES["h100"]
+    per_layer = 2560 * 128 * (2 * 32 + 2 * 8) + 3 * 2560 * 9728
+    pairs_128k = 1024 * 1025 // 2  # one document of 131072 tokens in blocks of 128
+    split = stage_split(36, cluster.n_stages)
+    for s, cost_model in enumerate(build_simulator(cluster, sc).models.stages):
+        prof = cost_model.profile
+        params = split.layers[s] * per_layer + (151936 * 2560 if split.head[s] else 0)
+        gemm = h100["peak_flops"] * h100["gemm_efficiency"]
+        assert prof.linear_seconds[0] == pytest.approx(6 * params * prof.linear_tokens[0] / gemm)
+        pair = 14 * 128 * 128 * 128 * 32 * split.layers[s]
+        assert (prof.lengths[-1], prof.densities[-1]) == (131072, 1.0)
+        attn = pairs_128k * pair / (h100["peak_flops"] * h100["attn_efficiency"])
+        assert prof.attn_seconds[-1][-1] == pytest.approx(attn)
+    # a named size of another family: Llama 3.2-3B, not Qwen2.5-3B (24 heads, not 16)
+    _, sc = _resolve(_parser().parse_args(["--family", "llama3", "--flavor", "3b", "--dp", "1"]))
+    assert (sc.model.family, sc.model.n_heads, sc.model.vocab_size) == ("llama3", 24, 128256)
+    with pytest.raises(ValueError, match=r"unknown qwen3 flavor '3b'"):
+        _resolve(_parser().parse_args(["--family", "qwen3", "--flavor", "3b", "--dp", "1"]))

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
+from torchtitan.models.common.decoder import Decoder
 from torchtitan.protocols.model_spec import ModelSpec
 from torchtitan.tools.logging import logger
 
@@ -58,6 +59,18 @@ def family_of(hf: dict, source: str = "config.json") -> Family:
             "not supported)"
         )
     return _BY_MODEL_TYPE[kind]
+
+
+def family_of_decoder(model: Decoder.Config) -> str:
+    """The family whose decoder `model` is, told apart by what the families differ in
+    (model and RoPE classes, q/k/v biases, QK-norm): a profile of one family does not
+    price another's layers, whatever their shapes."""
+    attn = model.layers[0].attention
+    built = (type(model), type(attn.rope), attn.qkv_linear.wq.bias, attn.qk_norm is not None)
+    for fam in FAMILIES.values():
+        if built == (fam.model_cls.Config, fam.rope_cls.Config, fam.qkv_bias, fam.qk_norm):
+            return fam.name
+    raise ValueError(f"a {type(model).__qualname__} that is none of {sorted(FAMILIES)}")
 
 
 def hf_dims(config_json: str | Path) -> ModelDims:

@@ -11,6 +11,7 @@ import torch
 from torchtitan.models.qwen3.model import Qwen3Model
 
 from sb_titan.attention.backends import resolve_backend
+from sb_titan.models.registry import family_of_decoder
 from sb_titan.profiler.sections import ProfiledSections
 from sb_titan.profiler.stage import (
     device_name,
@@ -67,6 +68,7 @@ def current_fingerprint(
         "dtype": str(profile_dtype(config.training, device)).removeprefix("torch."),
         "attention_backend": resolve_backend(config.sparse_attention.backend, device.type),
         "block_size": config.sparse_attention.block_size,
+        "family": family_of_decoder(model),
         "flavor": config.model.flavor,
         "hidden": model.dim,
         "heads": attn.n_heads,

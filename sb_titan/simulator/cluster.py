@@ -9,6 +9,8 @@ import numpy as np
 
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import SABConfig
+from sb_titan.models.dims import ModelDims
+from sb_titan.models.flavors import family_flavors
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
@@ -90,7 +92,11 @@ class Cluster:
 class Scenario:
     """What a run needs besides the cluster: model, data, planner and DST settings."""
 
+    family: str = "qwen2_5"
     flavor: str = "3b"
+    dims: ModelDims | None = None
+    """The dims a train config builds (its [model] overrides, an HF config.json);
+    None: `family`'s `flavor` as its table has it."""
     lengths: np.ndarray | None = None  # None: longtail-v1 at seq_len
     data_name: str = "longtail-v1"
     seed: int = 0
@@ -107,3 +113,21 @@ class Scenario:
     bwd_over_fwd: float = 2.0
     first_less: int = 1
     last_less: int = 1
+
+    @property
+    def model(self) -> ModelDims:
+        """The model priced: `dims`, else the flavor table's row."""
+        return self.dims if self.dims is not None else model_dims_of(self.family, self.flavor)
+
+    @property
+    def model_name(self) -> str:
+        """How reports and titles name it: `qwen3 4b`, `llama3 hf`."""
+        return f"{self.model.family} {self.flavor}"
+
+
+def model_dims_of(family: str, flavor: str) -> ModelDims:
+    """`family`'s `flavor` (ValueError in one line naming both if there is none)."""
+    flavors = family_flavors(family)
+    if flavor not in flavors:
+        raise ValueError(f"unknown {family} flavor {flavor!r}; one of {sorted(flavors)}")
+    return flavors[flavor]

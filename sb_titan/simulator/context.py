@@ -50,8 +50,8 @@ from sb_titan.context_parallel.split import (
     rank_loads,
     zigzag_split,
 )
-from sb_titan.models.qwen2_5 import FLAVORS
-from sb_titan.simulator.cluster import Cluster, Network
+from sb_titan.models.dims import ModelDims
+from sb_titan.simulator.cluster import Cluster, Network, model_dims_of
 from sb_titan.simulator.run import draw_lengths
 from sb_titan.simulator.stages import stage_param_count
 from sb_titan.simulator.step import make_balancer
@@ -73,7 +73,9 @@ class CPCluster:
 
 @dataclass(frozen=True, slots=True)
 class CPScenario:
+    family: str = "qwen2_5"
     flavor: str = "3b"
+    dims: ModelDims | None = None  # a train config's (Scenario.dims); None: the flavor's
     device: str = "h200"
     budget: float = 0.9  # sparse variants' `mass` budget (DST's beta0)
     block_size: int = 64
@@ -87,7 +89,7 @@ class CPPricing:
     """The cost model's prices for one GPU holding the whole model (no PP)."""
 
     def __init__(self, sc: CPScenario) -> None:
-        self.dims = FLAVORS[sc.flavor]
+        self.dims = sc.dims if sc.dims is not None else model_dims_of(sc.family, sc.flavor)
         spec = analytic_stage_spec(self.dims, self.dims.n_layers, True, sc.device, sc.block_size)
         density = DensityModel(prior_exponent=sc.density_exponent)
         self.cost_model = CostModel.analytic(spec, density_model=density)
@@ -216,6 +218,7 @@ def simulate_cp(cluster: CPCluster, sc: CPScenario) -> dict[str, Any]:
         "setup": {
             **dataclasses.asdict(cluster),
             "gpus": cluster.gpus,
+            "family": pricing.dims.family,
             "flavor": sc.flavor,
             "budget": sc.budget,
             "steps": sc.steps,

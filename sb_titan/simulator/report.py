@@ -17,6 +17,7 @@ JSON_FORMAT = "sb_titan.simulate"
 
 
 JSON_VERSION = 1
+_DST_KEYS = ("anchor", "p", "beta0", "beta_min", "beta_max")  # the DST settings reported
 
 
 def report(
@@ -71,6 +72,7 @@ def report(
         "format": JSON_FORMAT,
         "version": JSON_VERSION,
         "setup": {
+            "family": sim.dims.family,
             "flavor": sc.flavor,
             "gpus": cluster.gpus,
             **dataclasses.asdict(cluster),
@@ -80,9 +82,7 @@ def report(
             "baseline_policy": sc.baseline_policy,
             "block_size": sc.block_size,
             "policy": sc.selection,
-            "dst": {
-                k: getattr(sc.dst, k) for k in ("anchor", "p", "beta0", "beta_min", "beta_max")
-            },
+            "dst": {k: getattr(sc.dst, k) for k in _DST_KEYS},
             "density_prior_exponent": sc.density_exponent,
         },
         "assumptions": {

@@ -10,7 +10,6 @@ from typing import Any
 import numpy as np
 
 from sb_titan.data.longtail import longtail_v1
-from sb_titan.models.qwen2_5 import FLAVORS
 from sb_titan.simulator.cluster import Cluster, Scenario
 from sb_titan.simulator.report import report
 from sb_titan.simulator.stages import build_cost_models
@@ -26,7 +25,7 @@ def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:
 
 
 def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
-    dims = FLAVORS[sc.flavor]
+    dims = sc.model
     models = build_cost_models(
         dims,
         cluster,

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 DEVICES = ("cpu", "h100", "h200")
 BASELINE_POLICIES = ("sequential", "tokens")
+FAMILIES = ("llama3", "qwen2_5", "qwen3")
 ANCHORS = ("min", "mean", "median", "max", "recall")
 
 
@@ -40,7 +41,15 @@ def _parser() -> argparse.ArgumentParser:
         "with the project's planner, DST and cost model and an event-level pipeline replay.",
     )
     p.add_argument("--config", help="TOML train config (model, sab, dst, sparse_attention, pp)")
-    p.add_argument("--flavor", help="Qwen2.5 flavor without --config (default 3b)")
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        help="model family of --flavor (the config's, else qwen2_5)",
+    )
+    p.add_argument(
+        "--flavor",
+        help="a named size of --family instead of the config's model (default 3b)",
+    )
     p.add_argument("--dp", type=int, required=True, help="data-parallel ranks")
     p.add_argument("--pp", type=int, help="pipeline stages (config, else 1)")
     p.add_argument("--microbatches", type=int, help="micro-batches per step and DP rank")
@@ -92,8 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
     """CLI > config > defaults."""
-    from sb_titan.models.qwen2_5 import FLAVORS
-    from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario
+    from sb_titan.simulator.cluster import SCHEDULES, Cluster, Network, Scenario, model_dims_of
 
     links = dict(p2p_gbps=args.p2p_gbps, allreduce_gbps=args.allreduce_gbps, cp_gbps=args.cp_gbps)
     sc = Scenario(
@@ -108,6 +116,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
     if args.config:
         from sb_titan.balance.step_shape import step_shape
         from sb_titan.config.toml import load_config
+        from sb_titan.models.registry import model_dims
 
         cfg = load_config(args.config)
         par = cfg.parallelism
@@ -117,7 +126,9 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
         # parallelism; --pp below only overrides the stage count of the replay.
         step = step_shape(cfg, args.dp * non_dp)
         seq_len, mbs, rows = step.seq_len, step.microbatches, step.rows
-        sc.flavor = cfg.model.flavor
+        # the model the run builds: [model] with its overrides, an HF load's config.json
+        sc.dims = model_dims(cfg)
+        sc.family, sc.flavor = sc.dims.family, cfg.model.flavor
         sc.sab = cfg.sab
         sc.dst, sc.selection = cfg.dst, cfg.sparse_attention.policy
         sc.block_size = cfg.sparse_attention.block_size
@@ -127,9 +138,10 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
             sc.profile = cfg.cost_model.profile
     if args.anchor:
         sc.dst = dataclasses.replace(sc.dst, anchor=args.anchor)
-    sc.flavor = (args.flavor or sc.flavor).lower()
-    if sc.flavor not in FLAVORS:
-        raise SystemExit(f"sb-simulate: unknown flavor {sc.flavor!r}; one of {sorted(FLAVORS)}")
+    if args.flavor or args.family:  # a named size instead of the config's model
+        sc.family = args.family or sc.family
+        sc.flavor = (args.flavor or sc.flavor).lower()
+        sc.dims = model_dims_of(sc.family, sc.flavor)
     if args.profile:
         sc.profile, sc.device = args.profile, None
     elif sc.profile is None:
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     rep, first = simulate(cluster, sc, progress=not args.quiet)
     src = sc.profile or f"analytic {sc.device}"
     title = (
-        f"Qwen2.5-{sc.flavor.upper()} DP={cluster.dp} x PP={cluster.pp} {cluster.schedule}, "
+        f"{sc.model_name} DP={cluster.dp} x PP={cluster.pp} {cluster.schedule}, "
         f"{cluster.microbatches} micro-batches x {cluster.rows} x {cluster.seq_len} tokens, "
         f"{sc.data_name}, {src}"
     )
@@ -201,9 +213,10 @@ def _main_cp(args: argparse.Namespace, cluster: Cluster, sc: Scenario) -> int:
         return 2
     cp = CPCluster(cp=args.cp, dp=cluster.dp, microbatches=cluster.microbatches,
                    seq_len=cluster.seq_len)  # fmt: skip
-    csc = CPScenario(flavor=sc.flavor, device=sc.device, budget=sc.dst.beta0,
-                     block_size=sc.block_size, density_exponent=sc.density_exponent,
-                     steps=sc.steps, seed=sc.seed, network=sc.network)  # fmt: skip
+    csc = CPScenario(family=sc.family, flavor=sc.flavor, dims=sc.dims, device=sc.device,
+                     budget=sc.dst.beta0, block_size=sc.block_size,
+                     density_exponent=sc.density_exponent, steps=sc.steps, seed=sc.seed,
+                     network=sc.network)  # fmt: skip
     try:
         rep = simulate_cp(cp, csc)
     except ValueError as e:
@@ -211,7 +224,7 @@ def _main_cp(args: argparse.Namespace, cluster: Cluster, sc: Scenario) -> int:
         return 2
     a = rep["assumptions"]
     print(
-        f"Qwen2.5-{sc.flavor.upper()} CP={cp.cp} x DP={cp.dp} ({cp.gpus} GPUs), "
+        f"{sc.model_name} CP={cp.cp} x DP={cp.dp} ({cp.gpus} GPUs), "
         f"{cp.microbatches} rows of {cp.seq_len} tokens per CP group and step, "
         f"{sc.data_name}, analytic {sc.device}, `mass` budget {csc.budget:g} "
         f"(predicted density of a full-row document {a['density_at_budget_full_row']:.3f}); "

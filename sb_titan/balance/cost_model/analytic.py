@@ -122,9 +122,9 @@ def analytic_spec(
 def analytic_stage_spec(
     dims: ModelDims, layers: int, head: bool, device: str, block_size: int
 ) -> AnalyticSpec:
-    """The analytic spec of one pipeline stage of a model with Qwen2.5-style `dims`
-    (dim, n_heads, n_kv_heads, head_dim, hidden_dim, vocab_size); `head`: the stage
-    holds the output projection."""
+    """The analytic spec of one pipeline stage of the model `dims` describes, whatever its
+    family (head_dim as set, which Qwen3 sets apart from dim / n_heads); `head`: the
+    stage holds the output projection."""
     return analytic_spec(
         device,
         hidden=dims.dim,

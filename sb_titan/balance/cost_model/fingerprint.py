@@ -17,6 +17,7 @@ from sb_titan.balance.cost_model.profile import ProfileError
 logger = logging.getLogger(__name__)
 
 MODEL_SHAPE_KEYS = (
+    "family",
     "flavor",
     "hidden",
     "heads",
@@ -26,16 +27,26 @@ MODEL_SHAPE_KEYS = (
     "vocab_size",
     "layers",
 )
-"""The model's dimensions (profiler/fingerprint.py writes them)."""
+"""The model's family and dimensions (profiler/fingerprint.py writes them)."""
 STAGE_LAYOUT_KEYS = ("pp_degree", "pp_stage", "scope", "stage_modules", "stage_dense_layers")
 """Which modules the profile timed, and which of them were dense."""
 SHAPE_KEYS = MODEL_SHAPE_KEYS + STAGE_LAYOUT_KEYS
 
 _MISSING = object()
+LEGACY_DEFAULTS = {"family": "qwen2_5"}
+"""Keys a profile written before they existed lacks, and what it was measured on: the
+recipe trained only Qwen2.5 before it had families."""
+
+
+def with_legacy_defaults(fp: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
+    """A profile's fingerprint with the keys `expected` checks that older profiles lack
+    filled in."""
+    return {**{k: v for k, v in LEGACY_DEFAULTS.items() if k in expected}, **fp}
 
 
 def fingerprint_diffs(have: dict[str, Any], expected: dict[str, Any]) -> list[str]:
     """Keys of `expected` whose value in `have` (the profile's) differs, sorted."""
+    have = with_legacy_defaults(have, expected)
     return [k for k in sorted(expected) if have.get(k, _MISSING) != expected[k]]
 
 
@@ -55,6 +66,7 @@ def check_fingerprint(
     """The differing keys. Raises ProfileError (one line naming `source` and both
     shapes) on a shape difference unless allowed, and on any difference under strict;
     warns for the rest."""
+    have = with_legacy_defaults(have, expected)
     diffs = fingerprint_diffs(have, expected)
     if not diffs:
         return diffs
