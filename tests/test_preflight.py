@@ -192,9 +192,9 @@ CASES = {
         ["--dst.enabled", "--cost_model.profile", str(DEBUG_PROFILE), "--model.flavor", "debug4"],
         [
             f"{DEBUG_PROFILE}: profile measured for another model shape",
-            "profile [flavor=debug hidden=256 heads=4 kv_heads=2 head_dim=64",
+            "profile [family=qwen2_5 flavor=debug hidden=256 heads=4 kv_heads=2 head_dim=64",
             "layers=2 stage_modules=['layers.0','layers.1']]",
-            "this run [flavor=debug4 hidden=256",
+            "this run [family=qwen2_5 flavor=debug4 hidden=256",
             "cost_model.allow_shape_mismatch = true",
         ],
     ),
