@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from sb_titan.balance.cost_model import CostModel, Unit
+from sb_titan.balance.doc_dst import DocDecision, step_doc_budgets
 from sb_titan.balance.dst import DSTConfig, DSTDecision, tune_budgets
 from sb_titan.balance.measurements import StepMeasurements
 from sb_titan.balance.sab import CostFn, DensityPrior, Planner, SABConfig, StepPlan
@@ -43,6 +44,18 @@ class ScheduledStep(NamedTuple):
     snapshot: str = ""  # "<trained step>:<digest>" of the cost-model snapshot that planned it
     planning_s: float = 0.0  # measured CPU seconds of packing (this host, not deterministic)
     dst_s: float = 0.0  # measured CPU seconds of DST deciding the budgets
+    doc_budgets: DocDecision | None = None  # per document ([dst] per_document), else None
+
+    def row_budgets(self, dp: int, mb: int, n_rows: int) -> list[list[float]]:
+        """Micro-batch (dp, mb)'s budget of each row's documents ([b][d]), as
+        attention.layout.block_budgets takes them: its DST budget row-wide, or with
+        per-document budgets each document's own."""
+        if self.doc_budgets is None:
+            return [[self.budgets[dp][mb]]] * n_rows
+        rows = self.doc_budgets.rows(self.plan, dp, mb)
+        if len(rows) != n_rows:
+            raise ValueError(f"micro-batch ({dp}, {mb}) has {len(rows)} rows, not {n_rows}")
+        return rows
 
 
 def step_units(plan: StepPlan, pipelined: bool) -> list[Unit]:
@@ -179,11 +192,27 @@ class Balancer:
             plan = self.planner.next_step()
         planned = time.perf_counter()
         budgets, decision = step_budgets(plan, model, self.dst, self.selection, self.pipelined)
+        per_doc = self._doc_budgets(plan, budgets, decision, model)
         done = time.perf_counter()
         snapshot = ""
         if self._snapshots is not None:
             snapshot = f"{self._snapshots.source_step(plan.step)}:{model.digest()}"
-        return ScheduledStep(plan, budgets, decision, snapshot, planned - start, done - planned)
+        return ScheduledStep(
+            plan, budgets, decision, snapshot, planned - start, done - planned, per_doc
+        )
+
+    def _doc_budgets(
+        self,
+        plan: StepPlan,
+        budgets: list[list[float]],
+        decision: DSTDecision | None,
+        model: CostModel | None,
+    ) -> DocDecision | None:
+        """Per-document budgets within the micro-batch budgets ([dst] per_document;
+        None without it or without a cost model)."""
+        if not self.dst.per_document or model is None:
+            return None
+        return step_doc_budgets(plan, budgets, decision, model, self.dst, self.selection)
 
     def verify(self, scheduled: ScheduledStep) -> None:
         """Debug (dst.verify_ranks): the budgets decided ahead equal budgets decided now
@@ -192,11 +221,13 @@ class Balancer:
         model = self.cost_model
         if self._snapshots is not None:
             model = self._snapshots.rebuild(plan.step)
-        budgets, _ = step_budgets(plan, model, self.dst, self.selection, self.pipelined)
-        if budgets != scheduled.budgets:
+        budgets, decision = step_budgets(plan, model, self.dst, self.selection, self.pipelined)
+        per_doc = self._doc_budgets(plan, budgets, decision, model)
+        if budgets != scheduled.budgets or per_doc != scheduled.doc_budgets:
             raise RuntimeError(
-                f"step {plan.step}: budgets decided ahead {scheduled.budgets} differ from "
-                f"budgets decided in place {budgets}"
+                f"step {plan.step}: budgets decided ahead {scheduled.budgets} "
+                f"({scheduled.doc_budgets}) differ from budgets decided in place {budgets} "
+                f"({per_doc})"
             )
 
     # -- learning --------------------------------------------------------------------------

@@ -133,20 +133,36 @@ def allocate(docs: Sequence[DocCurves], target_s: float, cfg: DocBudgetConfig) -
     """Per-document budgets on `cfg.grid` with the most predicted token-weighted true
     recall whose predicted seconds sum to at most `target_s` (see the module docstring).
     A pure function of its arguments: every rank that holds them decides the same."""
-    if not math.isfinite(target_s) or target_s < 0:
-        raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
     grid = np.asarray(cfg.grid, dtype=np.float64)
     seconds = np.stack([d.seconds.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
     recall = np.stack([d.recall.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
-    weight = np.array([d.length if d.length >= 2 else 0 for d in docs], dtype=np.float64)
-    long = np.array([d.length >= cfg.long_tokens for d in docs], dtype=bool)
+    lengths = np.array([d.length for d in docs], dtype=np.int64)
+    return allocate_table(grid, seconds, recall, lengths, target_s, cfg)
+
+
+def allocate_table(
+    grid: np.ndarray,
+    seconds: np.ndarray,
+    recall: np.ndarray,
+    lengths: np.ndarray,
+    target_s: float,
+    cfg: DocBudgetConfig,
+) -> DocBudgets:
+    """`allocate` on curves already evaluated: seconds and recall [D, K] at `grid` [K]
+    (increasing; it stands in for cfg.grid, whose other bounds apply), lengths [D].
+    The step's allocation (balance/doc_dst.py) evaluates thousands of documents' curves
+    at once and adds each micro-batch's own budget to the grid."""
+    if not math.isfinite(target_s) or target_s < 0:
+        raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
+    weight = np.where(lengths >= 2, lengths, 0).astype(np.float64)
+    long = lengths >= cfg.long_tokens
     lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
     lo = np.searchsorted(grid, lowest, side="left")  # first grid budget >= the bound
     hi = int(np.searchsorted(grid, cfg.beta_max, side="right")) - 1
     if (lo > hi).any():
         raise ValueError(
             f"allocate: no grid budget in [{float(lowest[np.argmax(lo > hi)])}, "
-            f"{cfg.beta_max}] (grid {cfg.grid})"
+            f"{cfg.beta_max}] (grid {grid.tolist()})"
         )
     pos = lo.copy()
     exact = _ExactSeconds(seconds)

@@ -68,6 +68,19 @@ class DSTConfig:
     0.70-0.77 for all of them (docs/attention.md)."""
     verify_ranks: bool = False
     """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
+    per_document: bool = False
+    """Also give every document of a micro-batch its own budget (balance/doc_dst.py):
+    within the time the micro-batch's budget costs, the budgets with the most predicted
+    recall (attention time grows with a document's square length, so long documents
+    cost many seconds per point of recall). With the `recall` anchor the time that buys
+    is taken back as speed, down to the step's predicted recall at beta0. Off: every
+    document trains at its micro-batch's budget, as before."""
+    long_tokens: int = 16384
+    """Per-document budgets: documents of at least this many tokens are long and get at
+    least `long_floor` (recall per second favours starving exactly the long-range
+    documents that long-context training is for)."""
+    long_floor: float = 0.5
+    """Per-document budgets: the lowest budget of a long document."""
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:
@@ -82,6 +95,11 @@ class DSTConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and 0 < value <= 1):
                 raise ValueError(f"dst.{name} must lie in (0, 1], got {value!r}")
+        if self.long_tokens < 1 or not 0 < self.long_floor <= self.beta_max:
+            raise ValueError(
+                f"dst: need long_tokens >= 1 and 0 < long_floor <= beta_max, got "
+                f"{self.long_tokens}, {self.long_floor} (beta_max {self.beta_max})"
+            )
         if not self.beta_min <= self.beta0 <= self.beta_max:
             raise ValueError(
                 "dst: need beta_min <= beta0 <= beta_max, got "

@@ -36,6 +36,7 @@ from torchtitan.trainer import Trainer
 from sb_titan.attention.layout import AttnMeta, block_budgets, doc_ids_from_positions
 from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.balancer import Balancer, ScheduledStep
+from sb_titan.balance.doc_dst import DocDecision
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -137,7 +138,7 @@ class SBTrainer(Trainer):
         plan = scheduled.plan
         budget = self._budgets[self._dp_rank()][mb_index]
         if self.config.dataloader.sample_log:
-            self._log_samples(plan, mb_index, budget)
+            self._log_samples(plan, mb_index, budget, scheduled.doc_budgets)
         if self.parallel_dims.cp_enabled:  # the recipe's own sharding, not TorchTitan's
             inputs = input_dict["input"]
             extra = {k: v for k, v in input_dict.items() if k != "input"}
@@ -145,7 +146,8 @@ class SBTrainer(Trainer):
             inputs, labels, extra = super().post_dataloading_process(input_dict, labels)
         positions = extra["positions"]
         doc_id = doc_ids_from_positions(positions)  # of the full row, before any sharding
-        doc_budgets = [[budget]] * doc_id.shape[0]  # row-wide: DST decides per micro-batch
+        # row-wide (DST decides per micro-batch), or each document's own ([dst] per_document)
+        doc_budgets = scheduled.row_budgets(self._dp_rank(), mb_index, doc_id.shape[0])
         bs = self.config.sparse_attention.block_size
         block_budget = block_budgets(doc_id, doc_budgets, bs)
         cp_blocks = None
@@ -176,7 +178,10 @@ class SBTrainer(Trainer):
         serialized snapshot of the same step, and every rank holds the same."""
         plan = scheduled.plan
         self.balancer.verify(scheduled)
-        digest = hashlib.sha1(repr(scheduled.budgets).encode()).hexdigest()
+        decided: Any = scheduled.budgets
+        if scheduled.doc_budgets is not None:  # and each document's, where it has one
+            decided = (scheduled.budgets, scheduled.doc_budgets.budgets)
+        digest = hashlib.sha1(repr(decided).encode()).hexdigest()
         what = f"plan and budgets of step {plan.step}"
         assert_same_everywhere(f"{plan_digest(plan)}/{digest}", what)
 
@@ -311,7 +316,9 @@ class SBTrainer(Trainer):
         os.makedirs(self.config.dump_folder, exist_ok=True)
         return os.path.join(self.config.dump_folder, f"{stem}_rank{dist.get_rank()}.jsonl")
 
-    def _log_samples(self, plan: StepPlan, mb_index: int, budget: float) -> None:
+    def _log_samples(
+        self, plan: StepPlan, mb_index: int, budget: float, per_doc: DocDecision | None
+    ) -> None:
         rows = plan.microbatches[self._dp_rank()][mb_index].rows
         record = {
             "step": self.step,
@@ -323,6 +330,8 @@ class SBTrainer(Trainer):
             "plan_digest": plan_digest(plan),
             "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
         }
+        if per_doc is not None:  # absent without it, so that earlier logs read the same
+            record["doc_budgets"] = per_doc.budgets[self._dp_rank()][mb_index]
         with open(self._rank_file("samples"), "a") as f:
             f.write(json.dumps(record) + "\n")
 

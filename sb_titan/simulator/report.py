@@ -102,15 +102,16 @@ def report(
 
 
 def format_table(rep: dict[str, Any]) -> str:
+    w = max(9, *(len(v) + 1 for v in rep["variants"]))
     head = (
-        f"{'variant':<9}{'step s':>8}{'Mtok':>7}{'speedup':>9}{'bubble':>8}{'rank m/m':>9}"
+        f"{'variant':<{w}}{'step s':>8}{'Mtok':>7}{'speedup':>9}{'bubble':>8}{'rank m/m':>9}"
         f"{'mb m/m':>8}{'ideal s':>9}{'budget':>8}{'recall':>8}"
         f"{'plan ms':>8}{'wait ms':>8}{'w/ wait':>8}"
     )
     lines = [head]
     for v, r in rep["variants"].items():
         lines.append(
-            f"{v:<9}{r['step_time_s']:>8.3f}{r['tokens_per_step'] / 1e6:>7.2f}"
+            f"{v:<{w}}{r['step_time_s']:>8.3f}{r['tokens_per_step'] / 1e6:>7.2f}"
             f"{r['speedup_vs_baseline']:>8.3f}x{r['bubble_share']:>8.1%}"
             f"{r['imbalance_max_over_mean']:>9.3f}{r['microbatch_imbalance_max_over_mean']:>8.3f}"
             f"{r['ideal_bound_s']:>9.3f}{r['mean_budget']:>8.3f}{r['mean_recall_proxy']:>8.3f}"

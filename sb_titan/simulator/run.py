@@ -13,7 +13,7 @@ from sb_titan.data.longtail import longtail_v1
 from sb_titan.simulator.cluster import Cluster, Scenario
 from sb_titan.simulator.report import report
 from sb_titan.simulator.stages import build_cost_models
-from sb_titan.simulator.step import VARIANTS, Simulator, StepResult, make_balancer
+from sb_titan.simulator.step import Simulator, StepResult, make_balancer, variants
 
 
 def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:
@@ -49,6 +49,7 @@ def simulate(
     sim = build_simulator(cluster, sc)
     lengths = sc.lengths if sc.lengths is not None else draw_lengths(cluster, sc.steps, sc.seed)
     sab = dataclasses.replace(sc.sab, seed=sc.seed)
+    names = variants(sc.dst)
     balancers = {
         v: make_balancer(
             lengths,
@@ -59,19 +60,19 @@ def simulate(
             sim.dst_config(v),
             sc.selection,
         )
-        for v in VARIANTS
+        for v in names
     }
-    results: dict[str, list[StepResult]] = {v: [] for v in VARIANTS}
+    results: dict[str, list[StepResult]] = {v: [] for v in names}
     first: dict[str, StepResult] = {}
     t0 = time.perf_counter()
     for step in range(sc.steps):
-        for v in VARIANTS:
+        for v in names:
             r = sim.run_step(balancers[v].next_step(), v, step == 0)
             if step == 0:
                 first[v] = r
             results[v].append(r)
         if progress:
-            line = "  ".join(f"{v} {results[v][-1].step_s:.2f}s" for v in VARIANTS)
+            line = "  ".join(f"{v} {results[v][-1].step_s:.2f}s" for v in names)
             elapsed = time.perf_counter() - t0
             print(
                 f"[sb-simulate] step {step + 1}/{sc.steps}  {line}  ({elapsed:.0f}s)",

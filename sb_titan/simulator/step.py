@@ -9,6 +9,7 @@ import numpy as np
 
 from sb_titan.balance.balancer import Balancer, ScheduledStep
 from sb_titan.balance.cost_model import CostModel
+from sb_titan.balance.doc_dst import DocDecision
 from sb_titan.balance.dst import DSTConfig
 from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import StepShape
@@ -19,12 +20,18 @@ from sb_titan.simulator.schedules import schedule_orders
 from sb_titan.simulator.stages import CostModels
 
 VARIANTS = ("baseline", "sab", "dst", "sab_dst")
+DOC_VARIANT = "sab_dst_doc"  # SAB + DST with per-document budgets ([dst] per_document)
+
+
+def variants(dst: DSTConfig) -> tuple[str, ...]:
+    """The variants a run simulates: the per-document one beside them where asked."""
+    return (*VARIANTS, DOC_VARIANT) if dst.per_document else VARIANTS
 
 
 BASELINE_POLICIES = ("sequential", "tokens")  # what the baseline and DST-only pack with
 
 
-_DST_ON = {"baseline": False, "sab": False, "dst": True, "sab_dst": True}
+_DST_ON = {"baseline": False, "sab": False, "dst": True, "sab_dst": True, DOC_VARIANT: True}
 
 
 def make_balancer(
@@ -83,11 +90,20 @@ class Simulator:
         self.reduction_s = max(self.network.allreduce_seconds(p, c.dp) for p in self.models.params)
 
     def dst_config(self, variant: str) -> DSTConfig:
-        """The run's [dst] config, switched off for the variants without DST."""
-        return dataclasses.replace(self.dst, enabled=self.dst.enabled and _DST_ON[variant])
+        """The run's [dst] config, switched off for the variants without DST, and
+        per-document budgets for the per-document variant only."""
+        return dataclasses.replace(
+            self.dst,
+            enabled=self.dst.enabled and _DST_ON[variant],
+            per_document=variant == DOC_VARIANT,
+        )
 
-    def stage_seconds(self, plan: StepPlan, budgets: np.ndarray) -> np.ndarray:
-        """[n_stages, microbatches, dp] fwd+bwd seconds from each stage's cost model."""
+    def stage_seconds(
+        self, plan: StepPlan, budgets: np.ndarray, per_doc: DocDecision | None = None
+    ) -> np.ndarray:
+        """[n_stages, microbatches, dp] fwd+bwd seconds from each stage's cost model;
+        with per-document budgets, each document's attention at its own budget in place
+        of its micro-batch's (only attention depends on budgets)."""
         c = self.cluster
         units = [[mb.doc_lens] for rank in plan.microbatches for mb in rank]
         beta = budgets.reshape(-1)
@@ -95,10 +111,26 @@ class Simulator:
         out = np.empty((c.n_stages, c.microbatches, c.dp))
         for s, cm in enumerate(self.models.stages):
             if id(cm) not in by_model:
-                seconds = cm.predict_units(units, beta, self.selection) * self.models.scale
+                seconds = cm.predict_units(units, beta, self.selection)
+                if per_doc is not None:
+                    seconds = seconds + self._doc_shift(cm, units, beta, per_doc)
+                seconds = seconds * self.models.scale
                 by_model[id(cm)] = seconds.reshape(c.dp, c.microbatches).T
             out[s] = by_model[id(cm)]
         return out
+
+    def _doc_shift(
+        self, cm: CostModel, units: list[list[list[int]]], beta: np.ndarray, per_doc: DocDecision
+    ) -> np.ndarray:
+        """[units] attention seconds at the documents' budgets minus at the micro-batch's."""
+        counts = [len(unit[0]) for unit in units]
+        lengths = np.array([n for unit in units for n in unit[0]], dtype=np.float64)
+        own = np.array([b for rank in per_doc.budgets for mb in rank for b in mb])
+        mb_of = np.repeat(np.arange(len(units)), counts)
+        shift = cm.document_seconds(lengths, own, self.selection) - cm.document_seconds(
+            lengths, beta[mb_of], self.selection
+        )
+        return np.bincount(mb_of, shift, len(units))
 
     def run_step(
         self, scheduled: ScheduledStep, variant: str, keep_timeline: bool = False
@@ -114,7 +146,7 @@ class Simulator:
         plan, decision = scheduled.plan, scheduled.decision
         planning_s, dst_s = scheduled.planning_s, scheduled.dst_s
         budgets = np.asarray(scheduled.budgets)
-        total = self.stage_seconds(plan, budgets)
+        total = self.stage_seconds(plan, budgets, scheduled.doc_budgets)
         fwd = total / (1.0 + self.bwd_over_fwd)
         tokens = np.array([[mb.num_tokens for mb in rank] for rank in plan.microbatches]).T
         send = self.network.send_seconds(tokens.astype(np.float64), self.dims.dim)
@@ -139,7 +171,7 @@ class Simulator:
             rank_imbalance=float(rank_compute.max() / rank_compute.mean()),
             microbatch_imbalance=float(mb_work.max() / mb_work.mean()),
             mean_budget=float(budgets.mean()),
-            recall_proxy=decision.predicted_recall,
+            recall_proxy=(scheduled.doc_budgets or decision).predicted_recall,
             clamped=decision.n_clamped if self.dst_config(variant).enabled else 0,
             tokens=int(tokens.sum()),
             budgets_digest=decision.digest(),

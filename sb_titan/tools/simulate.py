@@ -71,6 +71,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--anchor", choices=ANCHORS, help="DST anchor (config, else mean)")
     p.add_argument(
+        "--per-document",
+        action="store_true",
+        help="also simulate SAB+DST with per-document budgets (sab_dst_doc; "
+        "[dst] per_document of the config does the same)",
+    )
+    p.add_argument(
         "--density-exponent",
         type=float,
         default=1.0,
@@ -138,6 +144,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
             sc.profile = cfg.cost_model.profile
     if args.anchor:
         sc.dst = dataclasses.replace(sc.dst, anchor=args.anchor)
+    if args.per_document:
+        sc.dst = dataclasses.replace(sc.dst, per_document=True)
     if args.flavor or args.family:  # a named size instead of the config's model
         sc.family = args.family or sc.family
         sc.flavor = (args.flavor or sc.flavor).lower()

@@ -1,0 +1,150 @@
+"""Per-document DST: each document of a micro-batch gets its own budget, within the time
+the micro-batch's DST budget costs (`[dst] per_document`).
+
+Micro-batch DST (dst.py) decides one budget per micro-batch. Its time target here is
+what that budget costs: the predicted attention seconds of the micro-batch's documents
+at it (the rest of a micro-batch's time does not depend on budgets). Within it,
+`doc_budgets.allocate_table` picks each document's budget for the most predicted
+token-weighted recall, from curves the cost model gives every document alone: attention
+seconds (`CostModel.document_seconds`) and recall (`cost_model.recall_model`, as DST
+predicts a step's recall) over a grid of budgets plus the micro-batch's own, so an
+equal split at the micro-batch's budget is always a candidate and the allocation never
+predicts less recall in the same time.
+
+With the `recall` anchor, micro-batch DST already holds the step's predicted recall at
+beta0's; the recall per-document budgets add is then taken back as time: every
+micro-batch's target is the same share of its attention seconds, the lowest share (a
+fixed-step bisection) whose allocation still predicts beta0's recall for the step.
+
+A pure function of the shared plan, the micro-batch budgets and the cost model, so every
+rank decides the same.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+from sb_titan.balance.cost_model import CostModel
+from sb_titan.balance.doc_budgets import DocBudgetConfig, allocate_table
+from sb_titan.balance.dst import DSTConfig, DSTDecision
+from sb_titan.balance.sab import StepPlan
+
+GRID = tuple(k / 20 for k in range(1, 21))  # budgets each document may take (and its own)
+_SCALE_BISECT_STEPS = 12  # fixed (identical on every rank): 2**-12 of the attention time
+
+
+class DocDecision(NamedTuple):
+    """A step's per-document budgets and what they are predicted to keep."""
+
+    budgets: list[list[list[float]]]  # [dp rank][micro-batch][document in doc_lens order]
+    attending_tokens: float  # tokens of documents of >= 2 tokens
+    recalled_tokens: float  # predicted recalled tokens at these budgets
+    scale: float  # share of each micro-batch's attention seconds its target is (1 but `recall`)
+
+    @property
+    def predicted_recall(self) -> float:
+        return self.recalled_tokens / self.attending_tokens if self.attending_tokens else 1.0
+
+    def rows(self, plan: StepPlan, dp: int, mb: int) -> list[list[float]]:
+        """Micro-batch (dp, mb)'s budgets per row ([b][d]: row b's document d), as
+        `attention.layout.block_budgets` takes them; a row without documents (all
+        padding) takes the micro-batch's last budget."""
+        flat = iter(self.budgets[dp][mb])
+        out = [[next(flat) for _ in row] for row in plan.microbatches[dp][mb].rows]
+        last = self.budgets[dp][mb][-1:] or [1.0]
+        return [row or last for row in out]
+
+
+class _StepCurves:
+    """Every document of a step at every grid budget and at its micro-batch's budget,
+    predicted in one vectorised call per budget."""
+
+    def __init__(
+        self, plan: StepPlan, budgets: list[list[float]], model: CostModel, policy: str
+    ) -> None:
+        mbs = [mb for rank in plan.microbatches for mb in rank]
+        self.shape = [len(rank) for rank in plan.microbatches]
+        self.lengths = np.array([n for mb in mbs for n in mb.doc_lens], dtype=np.int64)
+        counts = [len(mb.doc_lens) for mb in mbs]
+        self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.own = np.array([b for rank in budgets for b in rank], dtype=np.float64)
+        own_doc = np.repeat(self.own, counts)
+        self.grid = np.asarray(GRID)
+        cols = [*GRID, own_doc]  # the last column: each document at its micro-batch's
+        self.seconds = np.stack(
+            [model.document_seconds(self.lengths, g, policy) for g in cols], axis=1
+        )
+        self.recall = np.stack([self._recall(model, g) for g in cols], axis=1)
+
+    def _recall(self, model: CostModel, beta: float | np.ndarray) -> np.ndarray:
+        """Predicted recall of each document: its first two blocks keep everything, the
+        rest what the recall model predicts (dst.recalled_tokens, per document)."""
+        length = self.lengths.astype(np.float64)
+        sensitive = np.maximum(0.0, length - 2 * model.block_size)
+        kept = model.recall_model.predict(beta, length) if length.size else length
+        return np.where(length >= 2, (length - sensitive + sensitive * kept) / length, 1.0)
+
+    def microbatch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """(grid, seconds [D, K], recall [D, K], the column of its own budget) of
+        micro-batch i, both curves made non-decreasing over the grid."""
+        lo, hi = self.bounds[i], self.bounds[i + 1]
+        beta = self.own[i]
+        k = int(np.searchsorted(self.grid, beta))
+        skip = k + int(k < self.grid.size and self.grid[k] == beta)
+        grid = np.concatenate([self.grid[:k], [beta], self.grid[skip:]])
+
+        def curve(table: np.ndarray) -> np.ndarray:
+            rows = table[lo:hi]
+            merged = np.concatenate([rows[:, :k], rows[:, -1:], rows[:, skip:-1]], axis=1)
+            return np.maximum.accumulate(merged, axis=1)
+
+        return grid, curve(self.seconds), curve(self.recall), k
+
+
+def step_doc_budgets(
+    plan: StepPlan,
+    budgets: list[list[float]],
+    decision: DSTDecision | None,
+    model: CostModel,
+    cfg: DSTConfig,
+    policy: str,
+) -> DocDecision:
+    """Per-document budgets of a step whose micro-batch budgets are `budgets` ([dp
+    rank][micro-batch], from `decision`), for the selection `policy`."""
+    curves = _StepCurves(plan, budgets, model, policy)
+    bounds = DocBudgetConfig(
+        grid=GRID,
+        beta_min=cfg.beta_min,
+        beta_max=cfg.beta_max,
+        long_tokens=cfg.long_tokens,
+        long_floor=cfg.long_floor,
+    )
+    tables = [curves.microbatch(i) for i in range(curves.own.size)]
+    lengths = [curves.lengths[a:b] for a, b in zip(curves.bounds[:-1], curves.bounds[1:])]
+    targets = [math.fsum(s[:, k].tolist()) for _, s, _, k in tables]
+
+    def at(scale: float) -> tuple[list[np.ndarray], float]:
+        betas, recalled = [], []
+        for (grid, s, r, _), n, t in zip(tables, lengths, targets, strict=True):
+            got = allocate_table(grid, s, r, n, t * scale, bounds)
+            betas.append(got.betas)
+            recalled.append(got.recall * float(np.where(n >= 2, n, 0).sum()))
+        return betas, math.fsum(recalled)
+
+    scale = 1.0
+    betas, recalled = at(scale)
+    if cfg.enabled and cfg.anchor == "recall" and decision is not None:
+        need = math.fsum(decision.recalled_tokens_static) * (1 - 1e-12)
+        lo, hi = 0.0, 1.0
+        for _ in range(_SCALE_BISECT_STEPS):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if at(mid)[1] >= need else (mid, hi)
+        if hi < 1.0 and (found := at(hi))[1] >= need:
+            scale, (betas, recalled) = hi, found
+    flat = iter(b.tolist() for b in betas)
+    nested = [[next(flat) for _ in range(n)] for n in curves.shape]
+    attending = float(np.where(curves.lengths >= 2, curves.lengths, 0).sum())
+    return DocDecision(nested, attending, recalled, scale)
