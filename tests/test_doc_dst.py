@@ -114,7 +114,10 @@ def _reference_blocks(rows, seq_len, block_size, betas) -> list[list[float]]:
             own.append(next(flat))
             at += piece.length
         out.append(
-            [own[int(np.searchsorted(starts, t, "right")) - 1] for t in range(0, seq_len, block_size)]
+            [
+                own[int(np.searchsorted(starts, t, "right")) - 1]
+                for t in range(0, seq_len, block_size)
+            ]
         )
     return out
 

@@ -23,6 +23,7 @@ rank decides the same.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -33,7 +34,7 @@ from sb_titan.balance.dst import DSTConfig, DSTDecision
 from sb_titan.balance.sab import StepPlan
 
 GRID = tuple(k / 20 for k in range(1, 21))  # budgets each document may take (and its own)
-_SCALE_BISECT_STEPS = 12  # fixed (identical on every rank): 2**-12 of the attention time
+_SCALE_STEPS = 12  # the recall anchor's share is found to 2**-12 of the attention time
 
 
 class DocDecision(NamedTuple):
@@ -63,7 +64,12 @@ class _StepCurves:
     predicted in one vectorised call per budget."""
 
     def __init__(
-        self, plan: StepPlan, budgets: list[list[float]], model: CostModel, policy: str
+        self,
+        plan: StepPlan,
+        budgets: list[list[float]],
+        model: CostModel,
+        cfg: DSTConfig,
+        policy: str,
     ) -> None:
         mbs = [mb for rank in plan.microbatches for mb in rank]
         self.shape = [len(rank) for rank in plan.microbatches]
@@ -72,8 +78,8 @@ class _StepCurves:
         self.bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.own = np.array([b for rank in budgets for b in rank], dtype=np.float64)
         own_doc = np.repeat(self.own, counts)
-        self.grid = np.asarray(GRID)
-        cols = [*GRID, own_doc]  # the last column: each document at its micro-batch's
+        self.grid = np.array([g for g in GRID if cfg.beta_min <= g <= cfg.beta_max])
+        cols = [*self.grid, own_doc]  # the last column: each document at its micro-batch's
         self.seconds = np.stack(
             [model.document_seconds(self.lengths, g, policy) for g in cols], axis=1
         )
@@ -114,9 +120,9 @@ def step_doc_budgets(
 ) -> DocDecision:
     """Per-document budgets of a step whose micro-batch budgets are `budgets` ([dp
     rank][micro-batch], from `decision`), for the selection `policy`."""
-    curves = _StepCurves(plan, budgets, model, policy)
+    curves = _StepCurves(plan, budgets, model, cfg, policy)
     bounds = DocBudgetConfig(
-        grid=GRID,
+        grid=tuple(sorted({cfg.beta_min, cfg.beta_max})),  # checks only: each has its own
         beta_min=cfg.beta_min,
         beta_max=cfg.beta_max,
         long_tokens=cfg.long_tokens,
@@ -138,13 +144,36 @@ def step_doc_budgets(
     betas, recalled = at(scale)
     if cfg.enabled and cfg.anchor == "recall" and decision is not None:
         need = math.fsum(decision.recalled_tokens_static) * (1 - 1e-12)
-        lo, hi = 0.0, 1.0
-        for _ in range(_SCALE_BISECT_STEPS):
-            mid = 0.5 * (lo + hi)
-            lo, hi = (lo, mid) if at(mid)[1] >= need else (mid, hi)
-        if hi < 1.0 and (found := at(hi))[1] >= need:
-            scale, (betas, recalled) = hi, found
+        scale, betas, recalled = _lowest_scale(at, need, scale, betas, recalled)
     flat = iter(b.tolist() for b in betas)
     nested = [[next(flat) for _ in range(n)] for n in curves.shape]
     attending = float(np.where(curves.lengths >= 2, curves.lengths, 0).sum())
     return DocDecision(nested, attending, recalled, scale)
+
+
+def _lowest_scale(
+    at: Callable[[float], tuple[list[np.ndarray], float]],
+    need: float,
+    scale: float,
+    betas: list[np.ndarray],
+    recalled: float,
+) -> tuple[float, list[np.ndarray], float]:
+    """The lowest share of the targets (on a 2**-_SCALE_STEPS grid below 1) whose
+    allocation still predicts `need` recalled tokens, with it: micro-batch DST's recall
+    anchor already holds the step at beta0's recall, so what is to spare is what
+    per-document budgets add, and the share lies close to 1. So the search gallops down
+    from 1 (1 - 2**-12, 1 - 2**-11, ...) and bisects the last gap, a fixed sequence of
+    shares (identical on every rank) that costs two allocations where nothing is to
+    spare."""
+    gap = 2.0**-_SCALE_STEPS
+    while gap <= 0.5 and (found := at(1.0 - gap))[1] >= need:
+        scale, (betas, recalled) = 1.0 - gap, found
+        gap *= 2
+    lo = 1.0 - gap  # predicts too little (or 0.5 did not: then 0.5 is the lowest tried)
+    while scale - lo > 2.0**-_SCALE_STEPS:
+        mid = 0.5 * (lo + scale)
+        if (found := at(mid))[1] >= need:
+            scale, (betas, recalled) = mid, found
+        else:
+            lo = mid
+    return scale, betas, recalled
