@@ -129,7 +129,9 @@ def step_doc_budgets(
         long_floor=cfg.long_floor,
     )
     tables = [curves.microbatch(i) for i in range(curves.own.size)]
-    lengths = [curves.lengths[a:b] for a, b in zip(curves.bounds[:-1], curves.bounds[1:])]
+    lengths = [
+        curves.lengths[a:b] for a, b in zip(curves.bounds[:-1], curves.bounds[1:], strict=True)
+    ]
     targets = [math.fsum(s[:, k].tolist()) for _, s, _, k in tables]
 
     def at(scale: float) -> tuple[list[np.ndarray], float]:

@@ -36,7 +36,6 @@ from torchtitan.trainer import Trainer
 from sb_titan.attention.layout import AttnMeta, block_budgets, doc_ids_from_positions
 from sb_titan.attention.selection import STATS_SIZE
 from sb_titan.balance.balancer import Balancer, ScheduledStep
-from sb_titan.balance.doc_dst import DocDecision
 from sb_titan.balance.cost_model import (
     AnalyticSpec,
     CostModel,
@@ -45,6 +44,7 @@ from sb_titan.balance.cost_model import (
     analytic_spec,
     build_cost_model,
 )
+from sb_titan.balance.doc_dst import DocDecision
 from sb_titan.balance.dst import DSTConfig, DSTDecision
 from sb_titan.balance.measurements import StepMeasurements
 from sb_titan.balance.sab import SABConfig, StepPlan
