@@ -137,42 +137,50 @@ def allocate(docs: Sequence[DocCurves], target_s: float, cfg: DocBudgetConfig) -
     seconds = np.stack([d.seconds.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
     recall = np.stack([d.recall.at(grid) for d in docs]) if docs else np.zeros((0, grid.size))
     lengths = np.array([d.length for d in docs], dtype=np.int64)
-    return allocate_table(grid, seconds, recall, lengths, target_s, cfg)
+    return DocAllocator(grid, seconds, recall, lengths, cfg)(target_s)
 
 
-def allocate_table(
-    grid: np.ndarray,
-    seconds: np.ndarray,
-    recall: np.ndarray,
-    lengths: np.ndarray,
-    target_s: float,
-    cfg: DocBudgetConfig,
-) -> DocBudgets:
+class DocAllocator:
     """`allocate` on curves already evaluated: seconds and recall [D, K] at `grid` [K]
     (increasing; it stands in for cfg.grid, whose other bounds apply), lengths [D].
-    The step's allocation (balance/doc_dst.py) evaluates thousands of documents' curves
-    at once and adds each micro-batch's own budget to the grid."""
-    if not math.isfinite(target_s) or target_s < 0:
-        raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
-    weight = np.where(lengths >= 2, lengths, 0).astype(np.float64)
-    long = lengths >= cfg.long_tokens
-    lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
-    lo = np.searchsorted(grid, lowest, side="left")  # first grid budget >= the bound
-    hi = int(np.searchsorted(grid, cfg.beta_max, side="right")) - 1
-    if (lo > hi).any():
-        raise ValueError(
-            f"allocate: no grid budget in [{float(lowest[np.argmax(lo > hi)])}, "
-            f"{cfg.beta_max}] (grid {grid.tolist()})"
-        )
-    pos = lo.copy()
-    exact = _ExactSeconds(seconds)
-    if exact.fits(exact.total(pos), target_s):
-        value = (weight[:, None] * recall).tolist()
-        _climb(pos, exact.total(pos), target_s, exact, seconds.tolist(), value, hi)
-        uniform = _uniform(lo, hi, exact, target_s)
-        if _value(value, uniform) > _value(value, pos):
-            pos = uniform
-    return _result(grid, pos, seconds, recall, weight, target_s)
+    What does not depend on the time target (the hull steps in slope order) is done
+    once: the step's allocation (balance/doc_dst.py) evaluates thousands of documents'
+    curves at once, adds each micro-batch's own budget to its grid, and may try several
+    targets."""
+
+    def __init__(
+        self,
+        grid: np.ndarray,
+        seconds: np.ndarray,
+        recall: np.ndarray,
+        lengths: np.ndarray,
+        cfg: DocBudgetConfig,
+    ) -> None:
+        self.weight = np.where(lengths >= 2, lengths, 0).astype(np.float64)
+        long = lengths >= cfg.long_tokens
+        lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
+        self.lo = np.searchsorted(grid, lowest, side="left")  # first grid budget >= bound
+        self.hi = int(np.searchsorted(grid, cfg.beta_max, side="right")) - 1
+        if (self.lo > self.hi).any():
+            raise ValueError(
+                f"allocate: no grid budget in [{float(lowest[np.argmax(self.lo > self.hi)])}, "
+                f"{cfg.beta_max}] (grid {grid.tolist()})"
+            )
+        self.grid, self.seconds, self.recall = grid, seconds, recall
+        self.exact = _ExactSeconds(seconds)
+        self.value = (self.weight[:, None] * recall).tolist()
+        self.groups = _groups(self.lo, self.hi, self.exact, seconds.tolist(), self.value)
+
+    def __call__(self, target_s: float) -> DocBudgets:
+        if not math.isfinite(target_s) or target_s < 0:
+            raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
+        pos, exact = self.lo.copy(), self.exact
+        if exact.fits(exact.total(pos), target_s):
+            _climb(pos, exact.total(pos), target_s, exact, self.groups)
+            uniform = _uniform(self.lo, self.hi, exact, target_s)
+            if _value(self.value, uniform) > _value(self.value, pos):
+                pos = uniform
+        return _result(self.grid, pos, self.seconds, self.recall, self.weight, target_s)
 
 
 def _uniform(lo: np.ndarray, hi: int, exact: _ExactSeconds, target_s: float) -> np.ndarray:
@@ -194,26 +202,31 @@ Step = tuple[int, int, int, int, float]
 """A hull step: (document, from, to grid index, its exact seconds, its value gain)."""
 
 
-def _climb(
-    pos: np.ndarray,
-    used: int,
-    target_s: float,
+def _groups(
+    lo: np.ndarray,
+    hi: int,
     exact: _ExactSeconds,
     seconds: list[list[float]],
     value: list[list[float]],
-    hi: int,
-) -> None:
-    """The sweep, or the exchange around its first miss where that keeps more value
-    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly."""
+) -> list[list[Step]]:
+    """Every document's hull steps from its lowest budget, in falling slope, steps of
+    equal slope grouped (taken together or not at all)."""
     steps = sorted(
         (
             (slope, (d, a, b, exact.ints[d][b] - exact.ints[d][a], value[d][b] - value[d][a]))
-            for d in range(len(pos))
-            for a, b, slope in _hull_steps(seconds[d], value[d], int(pos[d]), hi)
+            for d in range(len(lo))
+            for a, b, slope in _hull_steps(seconds[d], value[d], int(lo[d]), hi)
         ),
         key=lambda item: -item[0],
     )  # stable: equal slopes keep document order
-    groups = [[step for _, step in run] for _, run in itertools.groupby(steps, lambda x: x[0])]
+    return [[step for _, step in run] for _, run in itertools.groupby(steps, lambda x: x[0])]
+
+
+def _climb(
+    pos: np.ndarray, used: int, target_s: float, exact: _ExactSeconds, groups: list[list[Step]]
+) -> None:
+    """The sweep, or the exchange around its first miss where that keeps more value
+    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly."""
     taken, missed = _sweep(groups, 0, used, target_s, exact, set())
     if missed is not None:
         other = _exchange(groups, missed, used, target_s, exact)

@@ -4,7 +4,7 @@ the micro-batch's DST budget costs (`[dst] per_document`).
 Micro-batch DST (dst.py) decides one budget per micro-batch. Its time target here is
 what that budget costs: the predicted attention seconds of the micro-batch's documents
 at it (the rest of a micro-batch's time does not depend on budgets). Within it,
-`doc_budgets.allocate_table` picks each document's budget for the most predicted
+`doc_budgets.DocAllocator` picks each document's budget for the most predicted
 token-weighted recall, from curves the cost model gives every document alone: attention
 seconds (`CostModel.document_seconds`) and recall (`cost_model.recall_model`, as DST
 predicts a step's recall) over a grid of budgets plus the micro-batch's own, so an
@@ -29,11 +29,11 @@ from typing import NamedTuple
 import numpy as np
 
 from sb_titan.balance.cost_model import CostModel
-from sb_titan.balance.doc_budgets import DocBudgetConfig, allocate_table
+from sb_titan.balance.doc_budgets import DocAllocator, DocBudgetConfig
 from sb_titan.balance.dst import DSTConfig, DSTDecision
 from sb_titan.balance.sab import StepPlan
 
-GRID = tuple(k / 20 for k in range(1, 21))  # budgets each document may take (and its own)
+GRID = tuple(k / 100 for k in range(1, 101))  # budgets a document may take (and its own)
 _SCALE_STEPS = 12  # the recall anchor's share is found to 2**-12 of the attention time
 
 
@@ -128,19 +128,17 @@ def step_doc_budgets(
         long_tokens=cfg.long_tokens,
         long_floor=cfg.long_floor,
     )
-    tables = [curves.microbatch(i) for i in range(curves.own.size)]
-    lengths = [
-        curves.lengths[a:b] for a, b in zip(curves.bounds[:-1], curves.bounds[1:], strict=True)
-    ]
-    targets = [math.fsum(s[:, k].tolist()) for _, s, _, k in tables]
+    allocators, targets = [], []
+    for i in range(curves.own.size):
+        grid, seconds, recall, own = curves.microbatch(i)
+        lengths = curves.lengths[curves.bounds[i] : curves.bounds[i + 1]]
+        allocators.append(DocAllocator(grid, seconds, recall, lengths, bounds))
+        targets.append(math.fsum(seconds[:, own].tolist()))
 
     def at(scale: float) -> tuple[list[np.ndarray], float]:
-        betas, recalled = [], []
-        for (grid, s, r, _), n, t in zip(tables, lengths, targets, strict=True):
-            got = allocate_table(grid, s, r, n, t * scale, bounds)
-            betas.append(got.betas)
-            recalled.append(got.recall * float(np.where(n >= 2, n, 0).sum()))
-        return betas, math.fsum(recalled)
+        got = [a(t * scale) for a, t in zip(allocators, targets, strict=True)]
+        recalled = [g.recall * a.weight.sum() for g, a in zip(got, allocators, strict=True)]
+        return [g.betas for g in got], math.fsum(recalled)
 
     scale = 1.0
     betas, recalled = at(scale)
