@@ -14,6 +14,7 @@ import pytest
 
 from sb_titan.attention.layout import block_budgets, doc_ids_from_positions
 from sb_titan.balance.balancer import Balancer
+from sb_titan.balance.doc_budgets import DocAllocator, DocBudgetConfig
 from sb_titan.balance.dst import DSTConfig, recalled_tokens
 from sb_titan.balance.sab import SABConfig
 from sb_titan.balance.step_shape import StepShape
@@ -79,7 +80,9 @@ def test_documents_meet_each_microbatch_target_and_beat_its_equal_split(pipeline
 
 def test_recall_anchor_takes_the_gain_as_time_at_betazeros_recall():
     dst = dataclasses.replace(DST, per_document=True, anchor="recall")
-    for s in _steps(dst):
+    steps = _steps(dst)
+    assert min(s.doc_budgets.scale for s in steps) < 1  # some time was taken back
+    for s in steps:
         lens = [mb.doc_lens for rank in s.plan.microbatches for mb in rank]
         flat = [b for rank in s.budgets for b in rank]
         per_doc = [b for rank in s.doc_budgets.budgets for mb in rank for b in mb]
@@ -169,3 +172,19 @@ def test_simulated_per_document_variant_is_no_slower_at_betazeros_recall():
 def test_config_refuses_a_long_floor_above_beta_max():
     with pytest.raises(ValueError, match="long_floor"):
         DSTConfig(beta_max=0.9, long_floor=0.95)
+
+
+def test_a_prepared_allocator_answers_each_target_as_a_fresh_one():
+    """The step's search asks one DocAllocator for several targets, in any order."""
+    rng = np.random.default_rng(0)
+    grid = np.linspace(0.5, 1.0, 11)
+    lengths = rng.integers(100, 20000, 12)
+    seconds = np.maximum.accumulate(rng.random((12, 11)) * lengths[:, None] ** 2, axis=1)
+    recall = np.maximum.accumulate(rng.random((12, 11)), axis=1)
+    cfg = DocBudgetConfig(grid=tuple(grid), beta_min=0.5, long_tokens=16384, long_floor=0.7)
+    prepared = DocAllocator(grid, seconds, recall, lengths, cfg)
+    full = float(seconds[:, -1].sum())
+    for share in (0.9, 0.6, 0.95, 0.6, 0.75):
+        fresh = DocAllocator(grid, seconds, recall, lengths, cfg)(share * full)
+        got = prepared(share * full)
+        assert got.betas.tolist() == fresh.betas.tolist() and got.recall == fresh.recall

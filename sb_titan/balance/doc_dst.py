@@ -14,7 +14,8 @@ predicts less recall in the same time.
 With the `recall` anchor, micro-batch DST already holds the step's predicted recall at
 beta0's; the recall per-document budgets add is then taken back as time: every
 micro-batch's target is the same share of its attention seconds, the lowest share (a
-fixed-step bisection) whose allocation still predicts beta0's recall for the step.
+fixed sequence of tries, `_lowest_scale`) whose allocation still predicts beta0's
+recall for the step.
 
 A pure function of the shared plan, the micro-batch budgets and the cost model, so every
 rank decides the same.
@@ -169,7 +170,7 @@ def _lowest_scale(
     while gap <= 0.5 and (found := at(1.0 - gap))[1] >= need:
         scale, (betas, recalled) = 1.0 - gap, found
         gap *= 2
-    lo = 1.0 - gap  # predicts too little (or 0.5 did not: then 0.5 is the lowest tried)
+    lo = 1.0 - gap  # the first share that kept too little (0: every one down to 0.5 kept)
     while scale - lo > 2.0**-_SCALE_STEPS:
         mid = 0.5 * (lo + scale)
         if (found := at(mid))[1] >= need:

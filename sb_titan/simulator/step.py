@@ -61,7 +61,7 @@ class StepResult:
     rank_imbalance: float  # DP ranks' compute, max / mean
     microbatch_imbalance: float  # micro-batches' fwd+bwd over all stages, max / mean
     mean_budget: float
-    recall_proxy: float  # DSTDecision.predicted_recall: token-mean recall lower bound
+    recall_proxy: float  # predicted_recall (DSTDecision, or DocDecision per document)
     clamped: int
     tokens: int  # trained this step (padding excluded)
     budgets_digest: str  # DSTDecision.digest(): what a trainer rank would log
@@ -171,7 +171,9 @@ class Simulator:
             rank_imbalance=float(rank_compute.max() / rank_compute.mean()),
             microbatch_imbalance=float(mb_work.max() / mb_work.mean()),
             mean_budget=float(budgets.mean()),
-            recall_proxy=(scheduled.doc_budgets or decision).predicted_recall,
+            recall_proxy=(
+                decision if scheduled.doc_budgets is None else scheduled.doc_budgets
+            ).predicted_recall,
             clamped=decision.n_clamped if self.dst_config(variant).enabled else 0,
             tokens=int(tokens.sum()),
             budgets_digest=decision.digest(),
