@@ -75,8 +75,15 @@ def test_family_trains_from_its_checkpoint_and_exports(family, tmp_path):
     export_main(["--checkpoint", str(dump / "checkpoint"), "--out", str(out)])
     before, after = (json.loads((d / "config.json").read_text()) for d in (hf, out))
     assert after["model_type"] == model_type
-    for key in ("rope_parameters", "head_dim", "hidden_size", "num_hidden_layers"):
-        assert after.get(key) == before.get(key), key
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers"):
+        assert after[key] == before[key], key
+    head_dim = [
+        c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"] for c in (before, after)
+    ]
+    assert head_dim[0] == head_dim[1], head_dim
+    # the RoPE scaling it was given (the export spells out YaRN's defaults too)
+    given = before["rope_parameters"]
+    assert {k: after["rope_parameters"].get(k) for k in given} == given
 
     import transformers
 
