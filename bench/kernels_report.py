@@ -13,9 +13,10 @@ duplicates MMA work.
     python bench/kernels_report.py --sweep   ->  bench/results/kernels_sweep.json
 
 Every attention row is compiled from each tile table that runs on its arch
-(kernels/attn_tiles.py: the arch's own and "common"), and reports the MMA instruction
-of its dots (`mma_instr`, `mma_count`: `wgmma` vs `mma.sync` in the PTX) and the CTAs
-per SM that its registers, shared memory and warps allow (`occupancy`).
+(`aot.arch_tables`: the arch's own, "common" and the arch's alternatives such as
+sm_90a_mma_sync), and reports the MMA instruction of its dots (`mma_instr`, `mma_count`:
+`wgmma` vs `mma.sync` in the PTX) and the CTAs per SM that its registers, shared memory
+and warps allow (`occupancy`).
 
 `--sweep` compiles candidate tiles of the three tiled attention kernels for bf16 on both
 arches (BLOCK_M, BLOCK_N in {16, 32, 64, 128} dividing Bs, 4/8 warps, 2/3 stages; 2
@@ -438,24 +439,19 @@ def sweep_main(
 MASKS_OUT = RESULTS / "kernels_masks.json"
 MASK_RULE = (
     "a tiled attention kernel of a table masks by document bounds unless, on an arch the "
-    "table runs on (sm_90a_wgmma counted on sm_90a) and with any Triton measured, bounds "
-    "gives fewer CTAs per SM, more spill bytes (LOCAL + STACK), another MMA instruction, "
+    "table runs on (aot.arch_tables) and with any Triton measured, bounds gives fewer CTAs "
+    "per SM, more spill bytes (LOCAL + STACK), another MMA instruction, "
     "or fails where the doc-id mask passes"
 )
 
 
-def mask_tables(arch: str) -> list[str]:
-    """The tables whose mask is chosen on `arch`: those AOT checks there, and on sm_90a
-    the open alternative sm_90a_wgmma (it may spill; only the comparison counts)."""
-    return aot.arch_tables(arch) + (["sm_90a_wgmma"] if arch == "sm_90a" else [])
-
-
 def mask_candidates(dtype: str = "bf16") -> list[tuple[tuple, tuple[str, ...]]]:
     """(kernel, dtype, D, Bs, tile, mask), (arch,) of every tiled attention kernel of
-    every table of `mask_tables`, with both masks, each distinct compile once."""
+    every table on each arch it runs on (`aot.arch_tables`), with both masks, each
+    distinct compile once."""
     out = []
     for arch in aot.ARCHS:
-        for table in mask_tables(arch):
+        for table in aot.arch_tables(arch):
             for (d, bs), tiles in aot.TILE_TABLES[table].items():
                 for kernel, field_ in aot.ATTN_TILED.items():
                     for mask in MASKS:
@@ -490,7 +486,7 @@ def doc_id_configs(*reports: list[dict]) -> set[tuple[str, str, int, int]]:
         by = {(r["arch"], r["kernel"], r["head_dim"], r["block_size"], _tile(r), r["mask"]): r
               for r in rows}  # fmt: skip
         for arch in aot.ARCHS:
-            for table in mask_tables(arch):
+            for table in aot.arch_tables(arch):
                 for (d, bs), tiles in aot.TILE_TABLES[table].items():
                     for kernel, field_ in aot.ATTN_TILED.items():
                         key = (arch, kernel, d, bs, getattr(tiles, field_))
@@ -517,7 +513,7 @@ def masks_markdown(
     ]  # fmt: skip
     users: dict[tuple, list[str]] = {}
     for arch in aot.ARCHS:
-        for table in mask_tables(arch):
+        for table in aot.arch_tables(arch):
             for (d, bs), tiles in aot.TILE_TABLES[table].items():
                 for kernel, field_ in aot.ATTN_TILED.items():
                     key = (arch, d, bs, kernel, getattr(tiles, field_))

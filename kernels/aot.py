@@ -232,8 +232,10 @@ def attn_spec(
 
 def arch_tables(arch: str) -> list[str]:
     """The attention tile tables that run on `arch`: its own (a launch's default there),
-    and "common" (SB_TRITON_TILES=common) where that one differs."""
-    return [arch] + (["common"] if TILE_TABLES["common"] != TILE_TABLES[arch] else [])
+    "common" (SB_TRITON_TILES=common) where that one differs, and its alternatives
+    (`<arch>_<variant>`, e.g. sm_90a_mma_sync)."""
+    common = ["common"] if TILE_TABLES["common"] != TILE_TABLES[arch] else []
+    return [arch, *common, *(t for t in TILE_TABLES if t.startswith(f"{arch}_"))]
 
 
 def shipped_specs(table: str, estimator: bool = True) -> Iterator[KernelSpec]:

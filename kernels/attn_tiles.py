@@ -3,7 +3,8 @@
 (table, dtype, head_dim, block size Bs) -> the tile of each kernel family. A launch
 takes the table of its device (`tile_table`: sm_90a on Hopper, sm_80 elsewhere) unless
 SB_TRITON_TILES names one; "common" is the table chosen for both arches at once, kept
-for comparison. The launchers (attn_fwd.py, attn_bwd_dq.py, attn_bwd_dkdv.py) and
+for comparison, and "sm_90a_mma_sync" the sm_90a table before its last mma.sync tile
+moved to wgmma. The launchers (attn_fwd.py, attn_bwd_dq.py, attn_bwd_dkdv.py) and
 aot.py read the same entries, so what ships is what the AOT report checked.
 """
 
@@ -64,8 +65,9 @@ _SM80: dict[tuple[int, int], AttnTiles] = {
     ),
 }
 #: sm_90a alone (`--sweep --arch sm_90a --and-sweep <Triton 3.6's sweep>`): every tile
-#: issues wgmma and passes on Triton 3.9 and 3.6, except dK/dV at D=128, Bs=64, where
-#: no wgmma tile is spill-free on both; it keeps the common mma.sync tile there
+#: issues wgmma and passes on Triton 3.9 and 3.6. At D=128, Bs=64 the sweep (doc-id
+#: mask) found no spill-free wgmma dK/dV tile; with the bounds mask 16x64, 4 warps,
+#: 2 stages is spill-free on both (`--masks`), and dK/dV there ships that
 _SM90A: dict[tuple[int, int], AttnTiles] = {
     (64, 64): AttnTiles(
         fwd=Tile(64, 64, 4, 2), preprocess=_PRE, dq=Tile(64, 64, 4, 2), dkdv=Tile(32, 64, 4, 3)
@@ -74,29 +76,34 @@ _SM90A: dict[tuple[int, int], AttnTiles] = {
         fwd=Tile(128, 128, 8, 3), preprocess=_PRE, dq=Tile(128, 128, 8, 3), dkdv=Tile(64, 128, 8, 3)
     ),
     (128, 64): AttnTiles(
-        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 2), dkdv=Tile(64, 32, 8, 3)
+        fwd=Tile(64, 64, 4, 3), preprocess=_PRE, dq=Tile(64, 64, 4, 2), dkdv=Tile(16, 64, 4, 2)
     ),
     (128, 128): AttnTiles(
         fwd=Tile(128, 64, 8, 3), preprocess=_PRE, dq=Tile(128, 64, 8, 3), dkdv=Tile(16, 128, 8, 3)
     ),
 }
-#: sm_90a with the open alternative at D=128, Bs=64: dK/dV on the wgmma tile 16x64,
-#: 4 warps, 2 stages, spill-free on Triton 3.9 but 8 bytes of spill on 3.6. Which of
-#: the two is faster needs a GPU; AOT checks only tables that must pass on both Tritons
-_SM90A_WGMMA: dict[tuple[int, int], AttnTiles] = {
+#: the sm_90a table before, kept as the alternative: dK/dV at D=128, Bs=64 on the
+#: common mma.sync tile 64x32, 8 warps, 3 stages (1 CTA per SM against the wgmma
+#: tile's 2). Which of the two is faster needs a GPU
+_SM90A_MMA_SYNC: dict[tuple[int, int], AttnTiles] = {
     **_SM90A,
-    (128, 64): _SM90A[(128, 64)]._replace(dkdv=Tile(16, 64, 4, 2)),
+    (128, 64): _SM90A[(128, 64)]._replace(dkdv=_COMMON[(128, 64)].dkdv),
 }
-#: (kernel field, head_dim, Bs) where the sm_90a table keeps an mma.sync tile because no
-#: wgmma tile passes the sweep (docs/kernels.md lists the candidates tried); everywhere
-#: else its tiles issue wgmma (tests/test_kernels.py checks it in the reports' PTX)
-SM90A_MMA_SYNC: frozenset[tuple[str, int, int]] = frozenset({("dkdv", 128, 64)})
-#: table name -> (head_dim, Bs) -> tiles
+#: table name -> (head_dim, Bs) -> tiles. A table named `<arch>_<variant>` is an
+#: alternative for that arch (aot.arch_tables checks it there)
 TILE_TABLES: dict[str, dict[tuple[int, int], AttnTiles]] = {
     "sm_80": _SM80,
     "sm_90a": _SM90A,
-    "sm_90a_wgmma": _SM90A_WGMMA,
+    "sm_90a_mma_sync": _SM90A_MMA_SYNC,
     "common": _COMMON,
+}
+#: the MMA each sm_90a table promises on sm_90a: wgmma in every kernel, except the
+#: (kernel field, head_dim, Bs) listed here, which run mma.sync on purpose (docs/
+#: kernels.md lists the candidates tried). tests/test_kernels.py checks it in the
+#: reports' PTX. sm_80 and common promise nothing there
+SM90A_MMA_SYNC: dict[str, frozenset[tuple[str, int, int]]] = {
+    "sm_90a": frozenset(),
+    "sm_90a_mma_sync": frozenset({("dkdv", 128, 64)}),
 }
 #: (table, kernel field, head_dim, Bs) whose kernel masks partial tiles by document ids;
 #: everywhere else by document bounds (BOUNDS_MASK: no doc-id load per masked tile).
@@ -112,7 +119,7 @@ DOC_ID_MASK: frozenset[tuple[str, str, int, int]] = frozenset(
         ("common", "fwd", 64, 64),
         ("sm_80", "dkdv", 64, 128),
         ("sm_90a", "dkdv", 64, 128),
-        ("sm_90a_wgmma", "dkdv", 64, 128),
+        ("sm_90a_mma_sync", "dkdv", 64, 128),
     }
 )
 #: the two ways a kernel masks a partial tile (kernels/attn_common.py: row_keep, col_keep)

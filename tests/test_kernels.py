@@ -453,31 +453,34 @@ _FIELDS = {"fwd": "fwd", "bwd_dq": "dq", "bwd_dkdv": "dkdv"}  # report kernel ->
 
 
 def _mma_fallbacks(rows: list[dict]) -> list[str]:
-    """sm_90a rows of the sm_90a tile table whose MMA instruction is not the one the
-    table promises: wgmma, except where attn_tiles.SM90A_MMA_SYNC says none passes.
-    Also a row whose tile is not the table's (a report older than the table)."""
+    """sm_90a rows of each table that makes a promise there (attn_tiles.SM90A_MMA_SYNC)
+    whose MMA instruction is not the promised one: wgmma, except the configs that table
+    runs on mma.sync on purpose. Also a row whose tile is not the table's (a report
+    older than the table), and a promising table without rows."""
     from sb_titan_kernels.attn_tiles import SM90A_MMA_SYNC, TILE_TABLES
 
     bad = []
-    mine = [r for r in rows if r["arch"] == "sm_90a" and r["table"] == "sm_90a"]
-    for r in (r for r in mine if r["kernel"] in _FIELDS):
-        field = _FIELDS[r["kernel"]]
-        t = getattr(TILE_TABLES["sm_90a"][(r["head_dim"], r["block_size"])], field)
-        if (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) != tuple(t):
-            bad.append(f"{_label(r)}: the table now has {tuple(t)}")
-        promised = (
-            "mma.sync" if (field, r["head_dim"], r["block_size"]) in SM90A_MMA_SYNC else "wgmma"
-        )
-        if r["mma_instr"] != promised:
-            bad.append(f"{_label(r)}: {r['mma_instr']}, the table promises {promised}")
-    return bad if mine else ["no sm_90a rows of the sm_90a table"]
+    for table, mma_sync in SM90A_MMA_SYNC.items():
+        mine = [r for r in rows if r["arch"] == "sm_90a" and r["table"] == table]
+        if not mine:
+            bad.append(f"no sm_90a rows of the {table} table")
+        for r in (r for r in mine if r["kernel"] in _FIELDS):
+            field = _FIELDS[r["kernel"]]
+            t = getattr(TILE_TABLES[table][(r["head_dim"], r["block_size"])], field)
+            if (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]) != tuple(t):
+                bad.append(f"{table} {_label(r)}: the table now has {tuple(t)}")
+            key = (field, r["head_dim"], r["block_size"])
+            promised = "mma.sync" if key in mma_sync else "wgmma"
+            if r["mma_instr"] != promised:
+                bad.append(f"{table} {_label(r)}: {r['mma_instr']}, the table promises {promised}")
+    return bad
 
 
 @pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
 def test_committed_report_keeps_the_mma_the_table_promises(path: Path) -> None:
-    """Every committed kernel report (one per Triton version) compiled the sm_90a table
-    as it is now, and each kernel's PTX issues the MMA the table promises; every tiled
-    attention row with the mask its table ships."""
+    """Every committed kernel report (one per Triton version) compiled the sm_90a tables
+    as they are now, and each kernel's PTX issues the MMA its table promises; every
+    tiled attention row with the mask its table ships."""
     from sb_titan_kernels.attn_tiles import table_mask
 
     report = json.loads(path.read_text())
@@ -508,7 +511,7 @@ def _kernels_report():
 def test_bounds_mask_ships_where_it_costs_nothing() -> None:
     """The mask rule on hand-made compiles (bounds vs doc-id of one config): fewer CTAs
     per SM, more spill bytes, another MMA instruction or a failure cost; more CTAs or
-    an equal spill (the spilling wgmma alternative) do not. Then attn_tiles.DOC_ID_MASK
+    an equal spill do not. Then attn_tiles.DOC_ID_MASK
     is exactly what the rule derives from the committed --masks runs of both Tritons."""
     from sb_titan_kernels.attn_tiles import DOC_ID_MASK
 
@@ -527,6 +530,35 @@ def test_bounds_mask_ships_where_it_costs_nothing() -> None:
     assert len(paths) == 2, paths  # our Triton and the GPU machine's
     reports = [json.loads(p.read_text())["rows"] for p in paths]
     assert kr.doc_id_configs(*reports) == DOC_ID_MASK
+
+
+def test_sm90a_tables_promise_what_their_tiles_can_issue() -> None:
+    """Where an sm_90a table promises wgmma its tile gives each warp group 64 resident
+    rows (wgmma's M; any other tile runs mma.sync or repeats MMAs), and where it
+    promises mma.sync it does not: the sm_90a table promises wgmma everywhere, and the
+    mma.sync alternative differs from it exactly in its mma.sync tiles."""
+    from sb_titan_kernels.attn_tiles import SM90A_MMA_SYNC, TILE_TABLES
+
+    kr = _kernels_report()
+    assert SM90A_MMA_SYNC["sm_90a"] == frozenset()
+    for table, mma_sync in SM90A_MMA_SYNC.items():
+        for (d, bs), tiles in TILE_TABLES[table].items():
+            for kernel, field in _FIELDS.items():
+                t = getattr(tiles, field)
+                assert kr.wgmma_shaped(kernel, t) == ((field, d, bs) not in mma_sync), (
+                    table,
+                    field,
+                    d,
+                    bs,
+                    t,
+                )
+    differ = {
+        (field, d, bs)
+        for (d, bs), tiles in TILE_TABLES["sm_90a"].items()
+        for field in _FIELDS.values()
+        if getattr(tiles, field) != getattr(TILE_TABLES["sm_90a_mma_sync"][(d, bs)], field)
+    }
+    assert differ == SM90A_MMA_SYNC["sm_90a_mma_sync"] != frozenset()
 
 
 def _sweep_row(kernel, tile, instr, ctas, ok=True, arch="sm_90a") -> dict:
@@ -577,7 +609,7 @@ def test_tile_table_by_device_and_setting(monkeypatch) -> None:
 
     monkeypatch.delenv(TILES_ENV, raising=False)
     assert tile_table(torch.device("cpu")) == "sm_80"
-    for name in ("sm_90a", "common", "sm_80"):
+    for name in ("sm_90a", "sm_90a_mma_sync", "common", "sm_80"):
         monkeypatch.setenv(TILES_ENV, name)
         assert tile_table(torch.device("cpu")) == name
     monkeypatch.setenv(TILES_ENV, "sm_90")
