@@ -511,8 +511,8 @@ def _kernels_report():
 def test_bounds_mask_ships_where_it_costs_nothing() -> None:
     """The mask rule on hand-made compiles (bounds vs doc-id of one config): fewer CTAs
     per SM, more spill bytes, another MMA instruction or a failure cost; more CTAs or
-    an equal spill do not. Then attn_tiles.DOC_ID_MASK
-    is exactly what the rule derives from the committed --masks runs of both Tritons."""
+    an equal spill do not. Then attn_tiles.DOC_ID_MASK is exactly what the rule derives
+    from the committed --masks runs of both Tritons."""
     from sb_titan_kernels.attn_tiles import DOC_ID_MASK
 
     kr = _kernels_report()
