@@ -64,7 +64,7 @@ def test_run_train_sh_help_lists_its_environment():
         assert f"\n  {var} " in proc.stdout, var
     for var in ("MAX_RESTARTS", "LOG_RANK", "SB_TORCH_SPEC"):
         assert f"\n  {var} " in proc.stdout, var
-    assert "usage: sb-train --config_file" in proc.stdout and "--help-all" in proc.stdout
+    assert "usage: sb-train --config X.toml" in proc.stdout and "--help-all" in proc.stdout
 
 
 def test_bad_key_is_one_line_naming_it_and_the_close_one(tmp_path):

@@ -29,6 +29,18 @@ def test_precedence_cli_over_toml_over_defaults(tmp_path):
     assert config.training.local_batch_size == 2  # default
 
 
+@pytest.mark.parametrize("flag", ["--config", "--config_file", "--job.config_file"])
+def test_sb_train_takes_config_like_the_other_tools(tmp_path, flag):
+    """`sb-train --config X.toml` as sb-export / sb-plan / sb-profile take it; TorchTitan's
+    `--config_file` (run_train.sh's) stays accepted, with a space or `=`."""
+    from sb_titan.tools.train import parse
+
+    path = _write(tmp_path, "[training]\nsteps = 7\n")
+    for argv in ([flag, str(path)], [f"{flag}={path}"]):
+        config = parse([*argv, "--training.seq_len", "256"])
+        assert (config.training.steps, config.training.seq_len) == (7, 256), argv
+
+
 def test_shipped_configs_load():
     shipped = sorted((REPO / "train_configs").glob("*.toml"))
     assert len(shipped) >= 6
@@ -189,7 +201,7 @@ def test_help_all_prints_usage_and_every_override(launcher):
         [*launcher, "--help-all"], cwd=REPO, capture_output=True, text=True, timeout=180, env=env
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "usage: sb-train --config_file" in proc.stdout
+    assert "usage: sb-train --config X.toml" in proc.stdout
     assert "--training.steps" in proc.stdout
     assert "error" not in proc.stderr
     # tyro's panel wraps a long choice list: read it as one line

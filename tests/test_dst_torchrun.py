@@ -2,8 +2,9 @@
 
 An attention recorder logs every attention call (forward, and when backward reaches
 it) with the stage and micro-batch the schedule was running; the trainer logs the
-plan's budget and rows per micro-batch. Every stage of every micro-batch must have
-computed with exactly the budget and document layout the plan gave that micro-batch.
+plan's budget and rows per micro-batch (and with `[dst] per_document` each document's
+budget). Every stage of every micro-batch must have computed with exactly the budgets
+and document layout the plan gave that micro-batch.
 """
 
 from __future__ import annotations
@@ -54,11 +55,34 @@ def _expected_layout(rows: list, seq_len: int) -> list[list[int]]:
     return out
 
 
-def _check_every_stage(dump: Path, ranks: list[int], seq_len: int) -> set[float]:
-    plan = {}  # (step, microbatch) -> (budget, layout); PP ranks share DP rank 0
+def _expected_block_budgets(entry: dict, seq_len: int, block_size: int) -> list[list[float]]:
+    """[B, NB] budget of every query block from the sample log alone: the micro-batch's
+    DST budget; with per-document budgets, that of the document holding the block's
+    first token (padding: the row's last document's, a row of padding only the
+    micro-batch's last)."""
+    blocks = seq_len // block_size
+    if "doc_budgets" not in entry:
+        return [[entry["budget"]] * blocks for _ in entry["rows"]]
+    flat, out = iter(entry["doc_budgets"]), []
+    for row in entry["rows"]:
+        ends, betas, end = [], [], 0
+        for _, _, length in row:
+            end += length
+            ends.append(end)
+            betas.append(next(flat))
+        last = (betas or entry["doc_budgets"])[-1]
+        docs = list(zip(ends, betas, strict=True))
+        first_tokens = [j * block_size for j in range(blocks)]
+        out.append([next((b for e, b in docs if t < e), last) for t in first_tokens])
+    assert next(flat, None) is None, "more document budgets than documents"
+    return out
+
+
+def _check_every_stage(dump: Path, ranks: list[int], seq_len: int, block_size: int = 64) -> set:
+    plan = {}  # (step, microbatch) -> (block budgets, layout); PP ranks share DP rank 0
     for entry in sample_log(dump, 0):
         plan[(entry["step"], entry["microbatch"])] = (
-            entry["budget"],
+            _expected_block_budgets(entry, seq_len, block_size),
             _expected_layout(entry["rows"], seq_len),
         )
     seen = defaultdict(set)
@@ -66,12 +90,9 @@ def _check_every_stage(dump: Path, ranks: list[int], seq_len: int) -> set[float]
         for rec in _records(dump, rank):
             key = (rec["step"], rec["microbatch"])
             assert rec["schedule_microbatch"] == rec["microbatch"], rec
-            budget, layout = plan[key]
-            # [B, NB]: one budget per query block (attention/layout.block_budgets), and
-            # DST decides one per micro-batch, so every block of every row has it
-            assert rec["budget"] and all(
-                row == [pytest.approx(budget)] * len(row) for row in rec["budget"]
-            ), rec
+            budgets, layout = plan[key]
+            # [B, NB]: one budget per query block (attention/layout.block_budgets)
+            assert rec["budget"] == [[pytest.approx(b) for b in row] for row in budgets], rec
             assert rec["doc_lens"] == layout, rec
             seen[(rec["stage"], rec["phase"])].add(key)
     stages = {stage for stage, _ in seen}
@@ -79,14 +100,16 @@ def _check_every_stage(dump: Path, ranks: list[int], seq_len: int) -> set[float]
     for stage in stages:  # forward and backward of every micro-batch on every stage
         assert seen[(stage, "forward")] == set(plan), stage
         assert seen[(stage, "backward")] == set(plan), stage
-    return {budget for budget, _ in plan.values()}
+    return {b for budgets, _ in plan.values() for row in budgets for b in row}
 
 
 @pytest.mark.parametrize(
     ("schedule", "extra"),
     [
         ("1F1B", []),
-        ("GPipe", []),
+        # each document its own budget (documents of 256+ tokens keep at least 0.6):
+        # every stage must compute each query block at its document's
+        ("GPipe", ["--dst.per_document", "--dst.long_tokens", "256", "--dst.long_floor", "0.6"]),
         # 4 virtual stages on 2 ranks: embeddings | layer 0 | layer 1 | norm + head
         ("Interleaved1F1B", ["--parallelism.pipeline_parallel_layers_per_stage", "1"]),
     ],
@@ -110,6 +133,12 @@ def test_pp_every_stage_uses_the_plans_budget_and_layout(tmp_path, schedule, ext
     )
     budgets = _check_every_stage(tmp_path, [0, 1], seq_len=512)
     assert len(budgets) > 1, "DST should give the micro-batches different budgets"
+    if "--dst.per_document" in extra:  # each rank logged each document's budget
+        logs = [sample_log(tmp_path, rank) for rank in (0, 1)]
+        assert all("doc_budgets" in e for log in logs for e in log)
+        assert [e["doc_budgets"] for e in logs[0]] == [e["doc_budgets"] for e in logs[1]]
+        within = [len(set(e["doc_budgets"])) > 1 for e in logs[0]]
+        assert any(within), "per-document budgets should differ within a micro-batch"
 
 
 @pytest.mark.parametrize("policy", ["sequential", "sab"])

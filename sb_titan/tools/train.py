@@ -1,4 +1,4 @@
-"""Entry point: `python -m sb_titan.tools.train --config_file X.toml [--section.key value ...]`.
+"""Entry point: `python -m sb_titan.tools.train --config X.toml [--section.key value ...]`.
 
 run_train.sh launches this under torchrun. Problems found before training (config,
 profile, dataset, checkpoint integrity) exit with status 2 and one line naming the file
@@ -14,13 +14,15 @@ import sys
 
 from sb_titan.util import run_lock
 
-CONFIG_FLAGS = ("--config_file", "--job.config_file")
+#: `--config` as in the other tools; TorchTitan's own spellings stay accepted
+CONFIG_FLAGS = ("--config", "--config_file", "--job.config_file")
 HELP_FLAGS = ("-h", "--help")
 HELP_ALL = "--help-all"
 # Printed without importing torch or TorchTitan: `--help` answers at once.
-USAGE = """usage: sb-train --config_file X.toml [--check-config] [--section.key VALUE ...]
+USAGE = """usage: sb-train --config X.toml [--check-config] [--section.key VALUE ...]
 
-  --config_file X.toml  a train config (train_configs/); CLI overrides win over it
+  --config X.toml       a train config (train_configs/); CLI overrides win over it
+                        (--config_file, TorchTitan's name, is the same)
   --check-config        check the config and what it names (profile, dataset, tokenizer,
                         checkpoint) and exit; run_train.sh does this before spawning ranks
   --help-all            this, then every override with its type and default
@@ -32,7 +34,7 @@ Overrides use TorchTitan's names, e.g. --training.steps 4 --dump_folder DIR
 
 
 def split_config_file(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Pull `--config_file PATH` (or `=PATH`) out of the argument list."""
+    """Pull `--config PATH` (or `--config_file`, or `=PATH`) out of the argument list."""
     path, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
