@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing.forkserver
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -53,31 +56,130 @@ def torchrun(
     timeout: int = 300,
     config: Path = DEBUG_TOML,
     env: dict[str, str] | None = None,
+    check: bool = True,
 ) -> subprocess.CompletedProcess:
-    """Run `python -m sb_titan.tools.train` under a real torchrun with `nproc` CPU processes."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "sb_titan.tools.train",
-        "--config_file",
-        str(config),
-        "--dump_folder",
-        str(dump),
-        *TINY,
-        *args,
-    ]
+    """Train `sb_titan.tools.train` on `nproc` CPU ranks under torchrun's elastic agent;
+    a failed run fails the test unless `check` is False (then read its returncode).
+
+    Without `env`, the agent runs in this process and forks each rank from a server
+    that imported the trainer once (`forked_torchrun`); with `env` (a sitecustomize
+    patch, the Triton interpreter), `python -m torch.distributed.run` runs as a
+    command, so every rank starts a fresh interpreter with that environment."""
+    argv = ["--config_file", str(config), "--dump_folder", str(dump), *TINY, *args]
+    if env is None:
+        return forked_torchrun(nproc, argv, dump, timeout, check)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "-m", "sb_titan.tools.train", *argv]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=cpu_env(**(env or {})), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=REPO, env=cpu_env(**env), capture_output=True, text=True, timeout=timeout
     )
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(
             f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# Ranks forked from one server per test process, which imported these once: importing
+# the trainer (torch, TorchTitan, datasets) is ~12 CPU s, most of a tiny rank's work
+FORKSERVER_PRELOAD = ["sb_titan.tools.train", "sb_titan.config.defaults"]
+
+
+def forked_torchrun(
+    nproc: int, argv: list[str], dump: Path, timeout: int = 300, check: bool = True
+) -> subprocess.CompletedProcess:
+    """torchrun, with its own parser, rendezvous (what `--standalone` sets), elastic
+    agent and gloo ranks as processes, and the training entry point as a function
+    (`sb_titan.tools.train.main`), as torch.distributed.run's API allows. The ranks
+    are forked from a forkserver (start method "forkserver") that preloaded the
+    trainer, so a launch costs its training, not ~12 CPU s of imports per rank. What
+    each rank prints goes to its log files, returned as the process's stdout / stderr
+    (rank order); the returncode is the first failed rank's exit code."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
+
+    from sb_titan.tools.train import main as train_main
+
+    logs = dump.parent / f"{dump.name}.torchrun_logs"
+    launcher = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    launcher += ["--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}"]
+    launcher += ["--start-method", "forkserver", "--log-dir", str(logs), "--redirects", "3"]
+    launch, _, _ = config_from_args(parse_args([*launcher, "-m", "sb_titan.tools.train"]))
+    _start_forkserver()
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}  # the agent sets them
+
+    def _timed_out(*_):
+        raise TimeoutError(f"torchrun ran past {timeout} s")
+
+    signal.signal(signal.SIGALRM, _timed_out)
+    signal.alarm(timeout)
+    failure, returncode = None, 0
+    try:
+        elastic_launch(launch, train_main)(argv)
+    except ChildFailedError as err:
+        failure, returncode = err, err.get_first_failure()[1].exitcode or 1
+    except TimeoutError as err:
+        failure, returncode, check = err, 1, True
+        _kill_forked_ranks()
+    finally:
+        signal.alarm(0)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    out = [_read_rank_logs(logs, rank, name) for name in ("stdout", "stderr")
+           for rank in range(nproc)]  # fmt: skip
+    stdout, stderr = "".join(out[:nproc]), "".join(out[nproc:])
+    if check and failure is not None:
+        pytest.fail(f"torchrun failed ({failure}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(["torchrun", *launcher, *argv], returncode, stdout, stderr)
+
+
+_AGENT_SIGNALS = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGALRM")]
+
+
+def _start_forkserver() -> None:
+    """Start this process's forkserver once, with the trainer preloaded and one intra-op
+    thread per rank (what torchrun sets; a forked rank keeps the server's environment)."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        return
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
+    os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        server.set_forkserver_preload(FORKSERVER_PRELOAD)
+        server.ensure_running()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Stop this process's forkserver and reap it (its ranks' CPU time then counts as
+    this process's children's, as a torchrun command's would)."""
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_pid is not None:
+        server._stop()
+
+
+def _kill_forked_ranks() -> None:
+    """Kill what the forkserver still runs (ranks of a launch that timed out or failed)."""
+    server_pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == server_pid:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _read_rank_logs(logs: Path, rank: int, name: str) -> str:
+    """What local rank `rank` wrote to `name` (the agent's `--log-dir` of the last attempt)."""
+    found = sorted(logs.glob(f"*/attempt_*/{rank}/{name}.log"), key=lambda p: p.stat().st_mtime)
+    return found[-1].read_text(errors="replace") if found else ""
 
 
 def scalars(dump: Path, tag: str) -> dict[int, float]:

@@ -249,16 +249,7 @@ def test_flipped_bytes_stop_the_resume_before_any_step(trained, tmp_path):
     dump = _resume_copy(trained, tmp_path)
     bad = dump / "checkpoint" / "step-4" / "__1_0.distcp"
     _flip(bad)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    proc = _run(
-        [
-            *launcher,
-            "--nproc_per_node=2",
-            "-m",
-            "sb_titan.tools.train",
-            *_entry(dump, "--training.steps", "6"),
-        ]
-    )
+    proc = torchrun(2, _ckpt("--training.steps", "6"), dump, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if line.startswith("sb_titan: checkpoint error:")]
@@ -445,9 +436,7 @@ def test_ranks_refuse_another_layout_too(trained, tmp_path):
     """A launch that skips run_train.sh's check (a bare torchrun, TorchTitan's launcher):
     the rank refuses before DCP loads anything, in one line, recorded as not retryable."""
     dump = _resume_copy(trained, tmp_path)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    entry = _entry(dump, "--training.steps", "6")
-    proc = _run([*launcher, "--nproc_per_node=1", "-m", "sb_titan.tools.train", *entry])
+    proc = torchrun(1, _ckpt("--training.steps", "6"), dump, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     lines = [line for line in out.splitlines() if line.startswith("sb_titan: checkpoint error:")]
