@@ -6,6 +6,7 @@ import contextlib
 import json
 import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -57,17 +58,22 @@ def torchrun(
     config: Path = DEBUG_TOML,
     env: dict[str, str] | None = None,
     check: bool = True,
+    fixture: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Train `sb_titan.tools.train` on `nproc` CPU ranks under torchrun's elastic agent;
-    a failed run fails the test unless `check` is False (then read its returncode).
+    """Train `sb_titan.tools.train` on `nproc` CPU ranks under torchrun's elastic agent,
+    every rank patched by tests/fixtures/`fixture` if given; a failed run fails the
+    test unless `check` is False (then read its returncode).
 
     Without `env`, the agent runs in this process and forks each rank from a server
-    that imported the trainer once (`forked_torchrun`); with `env` (a sitecustomize
-    patch, the Triton interpreter), `python -m torch.distributed.run` runs as a
-    command, so every rank starts a fresh interpreter with that environment."""
+    that imported the trainer once (`forked_torchrun`); with `env` (the Triton
+    interpreter, a fixture that must patch before the trainer is imported),
+    `python -m torch.distributed.run` runs as a command, so every rank starts a fresh
+    interpreter with that environment."""
     argv = ["--config_file", str(config), "--dump_folder", str(dump), *TINY, *args]
+    if fixture is not None and fixture not in FORKABLE_FIXTURES:
+        env, fixture = {**fixture_env(fixture), **(env or {})}, None
     if env is None:
-        return forked_torchrun(nproc, argv, dump, timeout, check)
+        return forked_torchrun(nproc, argv, dump, timeout, check, fixture)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", "sb_titan.tools.train", *argv]
     proc = subprocess.run(
@@ -83,10 +89,27 @@ def torchrun(
 # Ranks forked from one server per test process, which imported these once: importing
 # the trainer (torch, TorchTitan, datasets) is ~12 CPU s, most of a tiny rank's work
 FORKSERVER_PRELOAD = ["sb_titan.tools.train", "sb_titan.config.defaults"]
+# Fixtures a forked rank applies itself: they replace a class attribute, which takes
+# effect on the modules the forkserver imported. The others rebind names that earlier
+# imports already hold, so their ranks start fresh interpreters (sitecustomize.py).
+FORKABLE_FIXTURES = ("deterministic_clock",)
+
+
+def patched_train(fixture: str, argv: list[str]) -> None:
+    """A forked rank's entry point: apply tests/fixtures/`fixture`, then train."""
+    runpy.run_path(str(REPO / "tests" / "fixtures" / fixture / "sitecustomize.py"))
+    from sb_titan.tools.train import main
+
+    main(argv)
 
 
 def forked_torchrun(
-    nproc: int, argv: list[str], dump: Path, timeout: int = 300, check: bool = True
+    nproc: int,
+    argv: list[str],
+    dump: Path,
+    timeout: int = 300,
+    check: bool = True,
+    fixture: str | None = None,
 ) -> subprocess.CompletedProcess:
     """torchrun, with its own parser, rendezvous (what `--standalone` sets), elastic
     agent and gloo ranks as processes, and the training entry point as a function
@@ -118,7 +141,10 @@ def forked_torchrun(
     signal.alarm(timeout)
     failure, returncode = None, 0
     try:
-        elastic_launch(launch, train_main)(argv)
+        if fixture is None:
+            elastic_launch(launch, train_main)(argv)
+        else:
+            elastic_launch(launch, patched_train)(fixture, argv)
     except ChildFailedError as err:
         failure, returncode = err, err.get_first_failure()[1].exitcode or 1
     except TimeoutError as err:
@@ -405,7 +431,7 @@ def dp2_sab_dst(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("dp2_sab_dst")
     args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
     args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
-    torchrun(2, args, dump, env=fixture_env("no_object_gather"))
+    torchrun(2, args, dump, fixture="no_object_gather")
     return dump
 
 

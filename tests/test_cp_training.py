@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import assert_run_digest, fixture_env, from_seed, sample_log, scalars, torchrun
+from conftest import assert_run_digest, from_seed, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -95,13 +95,12 @@ def test_cp2_resume_is_bit_exact(seed_ckpt, tmp_path):
         "--sab.policy", "sab", "--dst.enabled", "--dataloader.sample_log",
         "--training.steps", "4",
     ]  # fmt: skip
-    env = fixture_env("deterministic_clock")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    torchrun(2, common, straight, env=env)
+    torchrun(2, common, straight, fixture="deterministic_clock")
     assert_run_digest("cp2_sab_dst_refit", straight, ranks=2)
     step2 = Path("checkpoint") / "step-2"
     shutil.copytree(straight / step2, resumed / step2)
-    proc = torchrun(2, common, resumed, env=env)
+    proc = torchrun(2, common, resumed, fixture="deterministic_clock")
     assert f"Loading the checkpoint from {resumed / step2}" in proc.stdout + proc.stderr
     loss = "loss_metrics/global_avg_loss"
     a, b = scalars(straight, loss), scalars(resumed, loss)

@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from conftest import assert_run_digest, fixture_env, sample_log, torchrun
+from conftest import assert_run_digest, sample_log, torchrun
 
 from sb_titan.runtime.tensorboard import read_layout, read_scalars
 
@@ -155,7 +155,7 @@ def test_dp_ranks_agree_on_every_plan_and_budget(tmp_path, policy):
             "4",
         ],
         tmp_path,
-        env=fixture_env("deterministic_clock"),
+        fixture="deterministic_clock",
     )
     a, b = sample_log(tmp_path, 0), sample_log(tmp_path, 1)
     assert [e["plan_digest"] for e in a] == [e["plan_digest"] for e in b]  # same global plan

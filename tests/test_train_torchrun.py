@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, fixture_env, from_seed, losses, sample_log, scalars, torchrun
+from conftest import DEBUG_TOML, from_seed, losses, sample_log, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -62,7 +62,7 @@ def straight(seed_ckpt, tmp_path_factory):
         if recipe not in dumps:
             dump = tmp_path_factory.mktemp(f"straight_{recipe}")
             args = [*_resume_args(seed_ckpt, recipe), "--training.steps", "6"]
-            torchrun(1, args, dump, env=fixture_env("deterministic_clock"))
+            torchrun(1, args, dump, fixture="deterministic_clock")
             dumps[recipe] = dump
         return dumps[recipe]
 
@@ -134,7 +134,7 @@ def test_resume_gives_same_losses_and_samples(seed_ckpt, straight, tmp_path, rec
     step3 = Path("checkpoint") / "step-3"
     shutil.copytree(full / step3, resumed / step3)
     args = [*_resume_args(seed_ckpt, recipe), "--training.steps", "6"]
-    proc = torchrun(1, args, resumed, env=fixture_env("deterministic_clock"))
+    proc = torchrun(1, args, resumed, fixture="deterministic_clock")
     assert f"Loading the checkpoint from {resumed / step3}" in proc.stdout + proc.stderr
     a, b = scalars(full, LOSS), scalars(resumed, LOSS)
     assert sorted(a) == [1, 2, 3, 4, 5, 6] and sorted(b) == [4, 5, 6], (a, b)
