@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "cli.json"
 GOAL_S = {"help": 3.0, "check-config": 8.0}
+FLOOR = "python -c 'import torchtitan.trainer'"
 
 
 def commands(repo: Path) -> dict[str, list[str]]:
@@ -47,6 +48,9 @@ def commands(repo: Path) -> dict[str, list[str]]:
         out[f"{name} --help"] = [sys.executable, "-c", code, "--help"]
     out["run_train.sh --help"] = ["./run_train.sh", "--help"]
     out["run_train.sh --check-config"] = ["./run_train.sh", "--check-config"]
+    # not a command: the floor under --check-config, whose config tree is TorchTitan's
+    # Trainer.Config, defined in (and only importable with) this module
+    out[FLOOR] = [sys.executable, "-c", "import torchtitan.trainer"]
     return out
 
 
@@ -80,11 +84,12 @@ def table(results: dict[str, dict[str, dict]], labels: list[str]) -> str:
     lines = [head + " |", "|---|---|" + "---|" * len(labels)]
     for name in results[labels[0]]:
         goal = GOAL_S["check-config" if "check-config" in name else "help"]
+        goal_cell = "(floor)" if name == FLOOR else f"<= {goal:g}"
         cells = []
         for label in labels:
             s = results[label][name]["summary"]
             cells.append(f"{s['wall_median_s']} / {s['wall_best_s']}, {s['cpu_median_s']}")
-        lines.append(f"| `{name}` | <= {goal:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{name}` | {goal_cell} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
