@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -170,11 +169,8 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
 # ---------------------------------------------------------------- running
 
 
-def torchrun(
-    config: Path, dump: Path, args: list[str], log: Path, until: int | None = None
-) -> None:
-    """One training run with 2 gloo processes; resumes from dump's checkpoint if any.
-    `until`: stop the run once its checkpoint of that step is complete."""
+def torchrun(config: Path, dump: Path, args: list[str], log: Path) -> None:
+    """One training run with 2 gloo processes; resumes from dump's checkpoint if any."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "sb_titan.tools.train", "--config_file", str(config), "--dump_folder", str(dump),
@@ -182,15 +178,9 @@ def torchrun(
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "a") as f:
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
         shown, line = time.monotonic(), None
         while proc.poll() is None:
-            if until is not None and finished(dump, until):
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait()
-                return
             time.sleep(2)
             if time.monotonic() - shown > 30:  # progress: the run's latest step line, once
                 shown = time.monotonic()

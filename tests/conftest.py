@@ -7,9 +7,12 @@ import json
 import multiprocessing.forkserver
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,7 +76,7 @@ def torchrun(
     if fixture is not None and fixture not in FORKABLE_FIXTURES:
         env, fixture = {**fixture_env(fixture), **(env or {})}, None
     if env is None:
-        return forked_torchrun(nproc, argv, dump, timeout, check, fixture)
+        return forked_torchrun(nproc, argv, timeout, check, fixture)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", "sb_titan.tools.train", *argv]
     proc = subprocess.run(
@@ -106,7 +109,6 @@ def patched_train(fixture: str, argv: list[str]) -> None:
 def forked_torchrun(
     nproc: int,
     argv: list[str],
-    dump: Path,
     timeout: int = 300,
     check: bool = True,
     fixture: str | None = None,
@@ -118,15 +120,13 @@ def forked_torchrun(
     trainer, so a launch costs its training, not ~12 CPU s of imports per rank. What
     each rank prints goes to its log files, returned as the process's stdout / stderr
     (rank order); the returncode is the first failed rank's exit code."""
-    import uuid
-
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
     from sb_titan.tools.train import main as train_main
 
-    logs = dump.parent / f"{dump.name}.torchrun_logs"
+    logs = Path(tempfile.mkdtemp(prefix="torchrun_logs_"))  # outside every run's folder
     launcher = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
     launcher += ["--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}"]
     launcher += ["--start-method", "forkserver", "--log-dir", str(logs), "--redirects", "3"]
@@ -157,6 +157,7 @@ def forked_torchrun(
     out = [_read_rank_logs(logs, rank, name) for name in ("stdout", "stderr")
            for rank in range(nproc)]  # fmt: skip
     stdout, stderr = "".join(out[:nproc]), "".join(out[nproc:])
+    shutil.rmtree(logs, ignore_errors=True)
     if check and failure is not None:
         pytest.fail(f"torchrun failed ({failure}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
     return subprocess.CompletedProcess(["torchrun", *launcher, *argv], returncode, stdout, stderr)

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, cpu_env
+from conftest import REPO, cpu_env, forked_torchrun
 
 _spec = importlib.util.spec_from_file_location("accuracy_bench", REPO / "bench" / "accuracy.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -82,6 +82,16 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
     assert json.loads(out.read_text())["runs"] == runs
 
 
+def _forked_bench_run(config, dump, args: list[str], log) -> None:
+    """bench.torchrun's run (2 ranks, its log appended to `log`), the ranks forked from
+    the test process's preloaded server (conftest.forked_torchrun): the pretraining
+    schedule is under test here; the quick study runs the bench's own launcher."""
+    argv = ["--config_file", str(config), "--dump_folder", str(dump), *args]
+    proc = forked_torchrun(2, argv, timeout=600)
+    with open(log, "a") as f:
+        f.write(proc.stdout + proc.stderr)
+
+
 @pytest.mark.torchrun
 def test_pretrain_runs_its_stages_in_order_and_exports_the_last(tmp_path, monkeypatch):
     """Two tiny stages: the second starts from the first's final weights; the base is the
@@ -104,6 +114,7 @@ def test_pretrain_runs_its_stages_in_order_and_exports_the_last(tmp_path, monkey
         return out
 
     monkeypatch.setattr(bench, "score_stage", score)
+    monkeypatch.setattr(bench, "torchrun", _forked_bench_run)
     base = tmp_path / "base"
     bench.pretrain(argparse.Namespace(root=str(tmp_path / "runs"), base=str(base)))
     runs = tmp_path / "runs" / "pretrain"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cpu_env
+from conftest import DEBUG_TOML, REPO, cpu_env
 
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 from sb_titan.models.registry import derive_model_spec
@@ -156,12 +156,26 @@ def _run_train_refused(args: list[str], dump: Path) -> subprocess.CompletedProce
     return proc
 
 
-@pytest.mark.parametrize("steps", ["0", "-3"])
-def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, steps):
-    """steps <= 0 spawned every rank, trained nothing and exited 0."""
-    proc = _run_train_refused(["--training.steps", steps], tmp_path)
-    assert f"'training.steps' = {steps}, expected >= 1" in proc.stderr
+def _prelaunch_refused(capsys, args: list[str], dump: Path) -> str:
+    """run_train.sh's check before torchrun (`--prelaunch`), in this process: exit 2 and
+    one line on stderr."""
+    from sb_titan.tools.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prelaunch", "--config_file", str(DEBUG_TOML), "--dump_folder", str(dump), *args])
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    return line
+
+
+def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, capsys):
+    """steps <= 0 spawned every rank, trained nothing and exited 0. Through run_train.sh
+    once; its check in this process for the other value."""
+    proc = _run_train_refused(["--training.steps", "0"], tmp_path)
+    assert "'training.steps' = 0, expected >= 1" in proc.stderr
     assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
+    line = _prelaunch_refused(capsys, ["--training.steps", "-3"], tmp_path / "run")
+    assert "'training.steps' = -3, expected >= 1" in line and not any(tmp_path.iterdir())
 
 
 def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
@@ -182,11 +196,10 @@ def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only hosts")
-def test_flex_training_on_cpu_is_refused_before_launch(tmp_path):
+def test_flex_training_on_cpu_is_refused_before_launch(tmp_path, capsys):
     """One line naming the key, exit 2, before torchrun spawns a rank."""
-    proc = _run_train_refused(["--sparse_attention.backend", "flex"], tmp_path)
-    assert "'sparse_attention.backend' = 'flex' trains on CUDA only" in proc.stderr
-    assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
+    line = _prelaunch_refused(capsys, ["--sparse_attention.backend", "flex"], tmp_path / "run")
+    assert "'sparse_attention.backend' = 'flex' trains on CUDA only" in line
     assert not any(tmp_path.iterdir())
 
 
