@@ -92,10 +92,11 @@ def torchrun(
 # Ranks forked from one server per test process, which imported these once: importing
 # the trainer (torch, TorchTitan, datasets) is ~12 CPU s, most of a tiny rank's work
 FORKSERVER_PRELOAD = ["sb_titan.tools.train", "sb_titan.config.defaults"]
-# Fixtures a forked rank applies itself: they replace a class attribute, which takes
-# effect on the modules the forkserver imported. The others rebind names that earlier
-# imports already hold, so their ranks start fresh interpreters (sitecustomize.py).
-FORKABLE_FIXTURES = ("deterministic_clock",)
+# Fixtures a forked rank applies itself: they replace attributes that every caller looks
+# up when it calls (a trainer method; `dist.all_gather_object`, which no module imports
+# by name), so the patch reaches the modules the forkserver imported. Others start fresh
+# interpreters that import their sitecustomize.py first.
+FORKABLE_FIXTURES = ("deterministic_clock", "no_object_gather")
 
 
 def patched_train(fixture: str, argv: list[str]) -> None:
