@@ -1,13 +1,15 @@
-"""The four-variant end-to-end benchmark on real torchrun processes (CPU, 2 ranks).
+"""The end-to-end benchmark of the recipe's variants on real torchrun processes (CPU, 2 ranks).
 
     python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--steps N] [--repeats R]
 
 For each scenario (DP=2 with 2 micro-batches per rank; PP=2 with 4 micro-batches) it
 launches ./run_train.sh with train_configs/e2e_cpu.toml once per variant — baseline
 (sequential packing, static beta0), SAB only, DST only, SAB+DST (the config's
-recall-neutral anchor), and SAB+DST with the paper's mean anchor — reads the TensorBoard
-events each run wrote and writes bench/results/e2e.json, a markdown table (stdout; it
-goes into docs/results.md) and docs/e2e.png. Step time is the median over the steps
+recall-neutral anchor), SAB+DST with the paper's mean anchor, and SAB+DST with
+per-document budgets — reads the TensorBoard events each run wrote (estimated recall,
+and true recall and top-key hits measured on sampled queries) and writes
+bench/results/e2e.json, a markdown table (stdout; it goes into docs/results.md) and
+docs/e2e.png. Step time is the median over the steps
 after warm-up; throughput is real tokens over seconds summed over those steps. With
 --repeats R every variant runs R times, interleaved, and figures are medians over runs.
 """
@@ -55,7 +57,13 @@ VARIANTS = {
     "sab_dst": ["--sab.policy", "sab", "--dst.enabled"],
     # The paper's time-neutral anchor beside the config's recall-neutral one.
     "sab_dst_mean": ["--sab.policy", "sab", "--dst.enabled", "--dst.anchor", "mean"],
-}
+    # Each document its own budget ([dst] per_document); documents of half a row or
+    # more are this setting's long ones and keep at least 0.5.
+    "sab_dst_doc": [
+        "--sab.policy", "sab", "--dst.enabled", "--dst.per_document",
+        "--dst.long_tokens", "2048", "--dst.long_floor", "0.5",
+    ],
+}  # fmt: skip
 
 
 def _after_warmup(series: dict[int, float]) -> list[float]:
@@ -109,12 +117,16 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
         "rank_compute_mean_s": med("balance/rank_compute_mean_s"),
         "bubble_share": med("balance/bubble_share"),
         "mean_recall": med("sparsity/recall"),
+        # measured on sampled queries (exact kept mass; their top key kept or not)
+        "mean_true_recall": med("sparsity/true_recall"),
+        "mean_top_key_hit": med("sparsity/top_key_hit"),
         "mean_density": med("sparsity/density"),
         "mean_budget": med("dst/budget_mean"),
         "cost_model_ape": med("cost_model/ape_mean"),
         "final_loss": loss[max(loss)],
         "wall_s": time.time() - t0,
         "attempts": attempts,
+        "load_1min": os.getloadavg()[0],  # at the run's end: what else shared the CPUs
     }
 
 
@@ -148,8 +160,9 @@ def markdown(results: dict) -> str:
             "",
             "| variant | step s | real tokens/s | speedup (tokens/s) [runs] | ideal s | "
             "step / ideal | rank max/mean | micro-batch max/mean | non-compute share | "
-            "padding | mean recall | mean density | final loss |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "padding | estimated recall | true recall | top-key hit | mean density | "
+            "final loss | load |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in variants.items():
             runs = " / ".join(f"{x:.2f}" for x in r.get("speedup_runs", []))
@@ -159,7 +172,9 @@ def markdown(results: dict) -> str:
                 f"{r['step_time_s'] / r['ideal_bound_s']:.3f} | "
                 f"{r['imbalance_max_over_mean']:.3f} | {r['microbatch_imbalance']:.3f} | "
                 f"{r['bubble_share']:.3f} | {r['padding_share']:.3f} | "
-                f"{r['mean_recall']:.3f} | {r['mean_density']:.3f} | {r['final_loss']:.3f} |"
+                f"{r['mean_recall']:.3f} | {r.get('mean_true_recall', float('nan')):.3f} | "
+                f"{r.get('mean_top_key_hit', float('nan')):.3f} | {r['mean_density']:.3f} | "
+                f"{r['final_loss']:.3f} | {r.get('load_1min', float('nan')):.1f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -177,7 +192,7 @@ def plot(results: dict, out: Path) -> None:
     for ax, (name, rows) in zip(axes[0], scenarios.items(), strict=True):
         names = list(rows)
         tps = [rows[n]["tokens_per_s"] for n in names]
-        colors = ["#888", "#4a90d9", "#e08a3c", "#3aa35b", "#9b59b6"]
+        colors = ["#888", "#4a90d9", "#e08a3c", "#3aa35b", "#9b59b6", "#c0392b"]
         bars = ax.bar(names, tps, color=colors[: len(names)])
         for bar, n in zip(bars, names, strict=True):
             r = rows[n]

@@ -168,16 +168,14 @@ _AGENT_SIGNALS = [getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "S
 
 
 def _start_forkserver() -> None:
-    """Start this process's forkserver once, with the trainer preloaded and one intra-op
-    thread per rank (what torchrun sets; a forked rank keeps the server's environment)."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        return
+    """Start this process's forkserver on first use (later calls check it is alive),
+    with the trainer preloaded and one intra-op thread per rank (what torchrun sets; a
+    forked rank keeps the server's environment)."""
+    multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
     os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
-        server.set_forkserver_preload(FORKSERVER_PRELOAD)
-        server.ensure_running()
+        multiprocessing.forkserver.ensure_running()
     finally:
         for key, value in saved.items():
             if value is None:
@@ -187,20 +185,25 @@ def _start_forkserver() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """Stop this process's forkserver and reap it (its ranks' CPU time then counts as
-    this process's children's, as a torchrun command's would)."""
+    """Stop this process's forkserver and reap it, so that its ranks' CPU time counts as
+    this process's children's, as a torchrun command's would (what the suite's CPU
+    figures in CONTRIBUTING.md measure). multiprocessing offers no public stop."""
     server = multiprocessing.forkserver._forkserver
     if server._forkserver_pid is not None:
         server._stop()
 
 
 def _kill_forked_ranks() -> None:
-    """Kill what the forkserver still runs (ranks of a launch that timed out or failed)."""
-    server_pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    """Kill the ranks a timed-out launch left running: the forkserver's children, so
+    this process's grandchildren."""
+    parent = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
-            pid, ppid = int(stat.parent.name), int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == server_pid:
+            parent[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    children = {pid for pid, ppid in parent.items() if ppid == os.getpid()}
+    for pid, ppid in parent.items():
+        if ppid in children:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
