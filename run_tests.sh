@@ -6,9 +6,10 @@ source scripts/venv.sh
 sb_ensure_venv
 # Two workers (SB_TEST_WORKERS, 0 for none): torchrun tests spend part of their time
 # waiting (rendezvous, checkpoint I/O, restarts), which the other worker fills. Each
-# module stays on one worker (tests/conftest.py), so its shared runs launch once.
+# module stays on one worker (loadfile), so its module-scoped runs launch once; the
+# slowest modules go first (tests/conftest.py, kept in order by --no-loadscope-reorder).
 workers="${SB_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
-exec .venv/bin/python -m pytest -n "$workers" --dist loadgroup --no-loadscope-reorder "$@"
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

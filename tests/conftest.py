@@ -355,32 +355,28 @@ def tiny_qwen_tokenizer(
     return path
 
 
-# -- two workers (./run_tests.sh runs pytest-xdist with --dist loadgroup) -------------------------
-SHARED_RUN_MODULES = {"test_measurements": "dp2_sab_dst", "test_train_torchrun": "dp2_sab_dst"}
-"""Modules that assert on one session-scoped run: they share a worker, so it runs once."""
+# -- two workers (./run_tests.sh runs pytest-xdist with --dist loadfile) --------------------------
 SLOWEST_MODULES = [
-    "test_cp_training",
     "test_elastic",
-    "test_train_torchrun",
-    "test_launch",
-    "test_dst_torchrun",
     "test_accuracy_bench",
+    "test_cp_training",
+    "test_launch",
+    "test_kernels",
     "test_checkpoint_integrity",
-    "test_dst_balance",
-    "test_config",
-    "test_compile",
     "test_gpu_bench",
+    "test_config",
+    "test_train_torchrun",
+    "test_triton_training",
+    "test_selection_estimators",
+    "test_readme",
 ]
-"""Handed out first (the slowest measured, CONTRIBUTING.md): the scheduler gives whole
-modules to the worker that is free, and a long module started last would finish last."""
+"""Handed out first (the slowest measured, CONTRIBUTING.md): run_tests.sh gives whole
+modules (`--dist loadfile`) to the worker that is free, in this order, so a module's
+module-scoped runs launch once, and a long module started last would finish last."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Each module runs on one worker (its module-scoped runs launch once there), the
-    slowest modules first."""
-    for item in items:
-        module = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_MODULES.get(module, module)))
+    """The slowest modules first."""
     rank = {m: i for i, m in enumerate(SLOWEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
 
@@ -430,9 +426,9 @@ def from_seed(seed_ckpt: Path, steps: int) -> list[str]:
 @pytest.fixture(scope="session")
 def dp2_sab_dst(tmp_path_factory) -> Path:
     """One run that two test files assert on (test_measurements.py,
-    test_train_torchrun.py): 2 FSDP ranks, SAB + DST with the cost-model refit, 5 steps,
-    and every all_gather_object refused but the debug-only budget check
-    (tests/fixtures/no_object_gather)."""
+    test_train_torchrun.py; launched once in each worker that runs either): 2 FSDP
+    ranks, SAB + DST with the cost-model refit, 5 steps, and every all_gather_object
+    refused but the debug-only budget check (tests/fixtures/no_object_gather)."""
     dump = tmp_path_factory.mktemp("dp2_sab_dst")
     args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
     args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
