@@ -1,6 +1,6 @@
 """The end-to-end benchmark of the recipe's variants on real torchrun processes (CPU, 2 ranks).
 
-    python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--steps N] [--repeats R]
+    python bench/e2e.py [--quick] [--scenarios dp2,pp2] [--variants a,b] [--steps N] [--repeats R]
 
 For each scenario (DP=2 with 2 micro-batches per rank; PP=2 with 4 micro-batches) it
 launches ./run_train.sh with train_configs/e2e_cpu.toml once per variant — baseline
@@ -213,6 +213,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 steps, DP scenario only")
     parser.add_argument("--scenarios", default="dp2,pp2")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="a subset; baseline is always run"
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(
         "--repeats", type=int, default=1, help="runs per variant, interleaved (the host is noisy)"
@@ -231,6 +234,9 @@ def main() -> None:
         return
     steps = 6 if args.quick else args.steps
     scenarios = ["dp2"] if args.quick else args.scenarios.split(",")
+    variants = ["baseline", *(v for v in args.variants.split(",") if v != "baseline")]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {unknown}; expected some of {list(VARIANTS)}")
     results = {
         "config": str(CONFIG.relative_to(REPO)),
         "steps": steps,
@@ -239,12 +245,12 @@ def main() -> None:
         "load_average_1min": os.getloadavg()[0],
         "scenarios": {},
     }
-    total = len(scenarios) * len(VARIANTS) * args.repeats
+    total = len(scenarios) * len(variants) * args.repeats
     done = 0
     for scenario in scenarios:
-        runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
         for repeat in range(args.repeats):  # variants interleaved, so drift hits all alike
-            for variant in VARIANTS:
+            for variant in variants:
                 print(f"[{done + 1}/{total}] {scenario}/{variant} ...", flush=True)
                 r = run_variant(scenario, variant, steps, args.root / f"r{repeat}")
                 runs[variant].append(r)
