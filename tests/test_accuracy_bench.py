@@ -54,8 +54,12 @@ def _quick(out, root, base, timeout: int) -> subprocess.CompletedProcess:
     )
 
 
+def _must_not_train(*args) -> None:
+    raise AssertionError(f"a finished run was trained again: {args}")
+
+
 @pytest.mark.torchrun
-def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
+def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path, monkeypatch, capsys):
     """With the shipped base: fine-tuning starts from it, so the result still recalls."""
     base = bench.BASE
     out = tmp_path / "accuracy.json"
@@ -76,9 +80,13 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path):
     assert "budget_mean" not in runs["dense/seed0"]["series"]  # no budget applies to dense
     # fine-tuning started from the base, not from a random init: it recalls
     assert runs["dense/seed0"]["dense"]["em"] >= 0.3
-    # resumable: a second invocation finds every run done and trains nothing
-    again = _quick(out, tmp_path / "runs", base, timeout=120)
-    assert again.returncode == 0 and "[1/2]" not in again.stdout
+    # resumable: a second invocation (in this process) finds every run done and trains
+    # nothing
+    argv = ["--quick", "--base", str(base), "--out", str(out), "--root", str(tmp_path / "runs")]
+    monkeypatch.setattr(sys, "argv", ["bench/accuracy.py", *argv])
+    monkeypatch.setattr(bench, "torchrun", _must_not_train)
+    bench.main()
+    assert "[1/2]" not in capsys.readouterr().out
     assert json.loads(out.read_text())["runs"] == runs
 
 
