@@ -213,6 +213,24 @@ def _read_rank_logs(logs: Path, rank: int, name: str) -> str:
     return found[-1].read_text(errors="replace") if found else ""
 
 
+def prelaunch_refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, flag="--prelaunch") -> str:
+    """What run_train.sh runs before torchrun (`--prelaunch`, or `--check-config`): exit
+    status 2 and one line on stderr (log records go to stdout); nothing is written."""
+    from sb_titan.runtime.elastic import FATAL_FILE
+    from sb_titan.tools.train import main
+
+    dump = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        main([flag, "--config_file", str(config), "--dump_folder", str(dump), *args])
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sb_titan: config error: "), err
+    assert str(config) in lines[0]
+    assert not dump.exists() and FATAL_FILE not in out  # no rank spawns, no run folder
+    return lines[0]
+
+
 def scalars(dump: Path, tag: str) -> dict[int, float]:
     """step -> value of a TensorBoard scalar the run wrote under dump/tb."""
     from sb_titan.runtime.tensorboard import read_scalars

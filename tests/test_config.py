@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEBUG_TOML, REPO, cpu_env
+from conftest import REPO, cpu_env, prelaunch_refused
 
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 from sb_titan.models.registry import derive_model_spec
@@ -156,25 +156,13 @@ def _run_train_refused(args: list[str], dump: Path) -> subprocess.CompletedProce
     return proc
 
 
-def _prelaunch_refused(capsys, args: list[str], dump: Path) -> str:
-    """run_train.sh's check before torchrun (`--prelaunch`), in this process: exit 2 and
-    one line on stderr."""
-    from sb_titan.tools.train import main
-
-    with pytest.raises(SystemExit) as exit_:
-        main(["--prelaunch", "--config_file", str(DEBUG_TOML), "--dump_folder", str(dump), *args])
-    assert exit_.value.code == 2
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    return line
-
-
 def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, capsys):
     """steps <= 0 spawned every rank, trained nothing and exited 0. Through run_train.sh
     once; its check in this process for the other value."""
     proc = _run_train_refused(["--training.steps", "0"], tmp_path)
     assert "'training.steps' = 0, expected >= 1" in proc.stderr
     assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
-    line = _prelaunch_refused(capsys, ["--training.steps", "-3"], tmp_path / "run")
+    line = prelaunch_refused(capsys, tmp_path, "--training.steps", "-3")
     assert "'training.steps' = -3, expected >= 1" in line and not any(tmp_path.iterdir())
 
 
@@ -198,7 +186,7 @@ def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for CPU-only hosts")
 def test_flex_training_on_cpu_is_refused_before_launch(tmp_path, capsys):
     """One line naming the key, exit 2, before torchrun spawns a rank."""
-    line = _prelaunch_refused(capsys, ["--sparse_attention.backend", "flex"], tmp_path / "run")
+    line = prelaunch_refused(capsys, tmp_path, "--sparse_attention.backend", "flex")
     assert "'sparse_attention.backend' = 'flex' trains on CUDA only" in line
     assert not any(tmp_path.iterdir())
 

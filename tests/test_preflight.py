@@ -7,11 +7,10 @@ import subprocess
 
 import numpy as np
 import pytest
-from conftest import DEBUG_TOML, REPO, cpu_env, indexed_args
+from conftest import DEBUG_TOML, REPO, cpu_env, indexed_args, prelaunch_refused
 
 from sb_titan.data.indexed import META, DatasetError, IndexedDataset, IndexedWriter
 from sb_titan.data.tokenizer import BOS, EOS, PAD, TOKENIZER_DIR
-from sb_titan.runtime.elastic import FATAL_FILE
 from sb_titan.tools import prep
 from sb_titan.tools.train import main
 
@@ -37,21 +36,6 @@ def _check(capsys, *args: str, world: str | None = None, monkeypatch=None) -> st
     assert exit_.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "config error" in line]
     assert len(lines) == 1, lines
-    return lines[0]
-
-
-def _refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, flag="--prelaunch") -> str:
-    """What run_train.sh runs before torchrun (`--prelaunch`, or `--check-config`): exit
-    status 2 and one line on stderr (log records go to stdout); nothing is written."""
-    dump = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_:
-        main([flag, "--config_file", str(config), "--dump_folder", str(dump), *args])
-    assert exit_.value.code == 2
-    out, err = capsys.readouterr()
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sb_titan: config error: "), err
-    assert str(config) in lines[0]
-    assert not dump.exists() and FATAL_FILE not in out  # no rank spawns, no run folder
     return lines[0]
 
 
@@ -217,7 +201,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_each_case_is_refused_before_launch(capsys, tmp_path, case, flag):
     args, needles = CASES[case]
-    line = _refused(capsys, tmp_path, *args, flag=flag)
+    line = prelaunch_refused(capsys, tmp_path, *args, flag=flag)
     assert all(n in line for n in needles), line
 
 
@@ -234,14 +218,14 @@ def test_the_shape_override_accepts_a_profile_of_another_shape_with_a_warning(ca
 
 def test_vocabulary_mismatch_is_refused_before_launch(capsys, tmp_path):
     data = _dataset(tmp_path / "big_ids", top_id=5000)
-    line = _refused(capsys, tmp_path, *indexed_args(data))
+    line = prelaunch_refused(capsys, tmp_path, *indexed_args(data))
     assert "token id 5000 does not fit the model's vocabulary of 1024 (model.flavor" in line
 
 
 def test_tokenizer_mismatch_is_refused_before_launch(capsys, tmp_path):
     """sb-prep with another tokenizer: every id fits the vocabulary, the hash does not."""
     data = _prepared(tmp_path, _other_tokenizer(tmp_path / "other"))
-    line = _refused(capsys, tmp_path, *indexed_args(data))
+    line = prelaunch_refused(capsys, tmp_path, *indexed_args(data))
     assert f"{data / META}: tokenizer.sha256 = " in line, line
     assert f"hf_assets_path = {str(TOKENIZER_DIR)!r}" in line, line
 
@@ -268,11 +252,13 @@ def test_shipped_cluster_configs_ask_for_a_profile(capsys, tmp_path, name):
     """They turn on SAB and DST for GPUs this repo cannot profile: the launch stops at
     the missing profile, naming both keys that would fix it (see the configs' comments)."""
     config = REPO / "train_configs" / f"{name}.toml"
-    line = _refused(capsys, tmp_path, config=config)
+    line = prelaunch_refused(capsys, tmp_path, config=config)
     assert "dst.enabled and sab.policy='sab' need a latency profile" in line
     assert "cost_model.profile" in line and "cost_model.analytic_device" in line
     # With the analytic fallback the next thing the user must supply is named.
-    line = _refused(capsys, tmp_path, "--cost_model.analytic_device", "h100", config=config)
+    line = prelaunch_refused(
+        capsys, tmp_path, "--cost_model.analytic_device", "h100", config=config
+    )
     assert "hf_assets_path = ./assets/" in line, line
 
 
