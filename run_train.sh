@@ -22,7 +22,7 @@ fi
 NNODES="${NNODES:-1}"
 LOG_RANK="${LOG_RANK:-0}"
 
-world=()  # the step shape is checked for a fixed world size (not for NNODES=min:max)
+world=()  # --check-config checks the step shape for a fixed world size (not NNODES=min:max)
 [[ "$NNODES" =~ ^[0-9]+$ ]] && world=(env WORLD_SIZE=$((NGPU * NNODES)))
 for arg in "$@"; do
   case "$arg" in
@@ -40,6 +40,8 @@ Environment:
   MAX_RESTARTS     job restarts after a failed rank (default 3)
   LOG_RANK         the rank whose output is shown (default 0)
   OMP_NUM_THREADS  threads per CPU process (default 1)
+  SB_FORK_RANKS    1: fork the ranks from one process that imported the trainer once
+                   (default without a GPU), 0: fresh interpreters (default with GPUs)
   SB_TORCH_SPEC    the torch pip installs when .venv is first set up (default without an
                    NVIDIA GPU: torch==2.13.0, the CPU wheel)
 
@@ -51,32 +53,6 @@ EOF
 done
 
 MAX_RESTARTS="${MAX_RESTARTS:-3}"
-export MAX_RESTARTS SB_LAUNCHER=run_train.sh
-# Workers get a fresh TCPStore per attempt: the agent's shared one keeps the previous
-# attempt's keys, and a restarted rank can read a dead peer's address from it (gloo
-# "connectFullMesh ... Connection refused", or a hang; pytorch/pytorch#135712, #167288).
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-
-# One run per dump folder (sb_titan/util/run_lock.py): --prelaunch takes the folder's
-# lock for this script before any rank spawns; the ranks share it through this token
-# (the same on every node of a multi-node job); it is released when the script exits.
-if [ -n "${RDZV_ENDPOINT:-}" ] || [ "$NNODES" != 1 ]; then
-  token="rdzv:${RDZV_ID:-sb_titan}@${RDZV_ENDPOINT:-${MASTER_ADDR:-}:${MASTER_PORT:-29500}}"
-else
-  token="$(hostname):$$:$(date +%s%N):$RANDOM"
-fi
-export SB_RUN_TOKEN="${SB_RUN_TOKEN:-$token}" SB_LAUNCHER_PID=$$
-
-# Fail fast, once, with one clear line on a bad config, profile, dataset or checkpoint
-# (before spawning ranks; sb_titan/config/preflight.py); warn about restarts without
-# checkpoints; learn where a rank records the error that stopped it.
-fatal_file="$("${world[@]}" .venv/bin/python -m sb_titan.tools.train \
-  --prelaunch --config_file "$CONFIG_FILE" "$@" | tail -n 1)"
-dump_folder="$(dirname "$fatal_file")"
-trap '.venv/bin/python -m sb_titan.util.run_lock release "$dump_folder" || true' EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
 if [ -n "${RDZV_ENDPOINT:-}" ]; then
   launch=(--nnodes="$NNODES" --rdzv_backend=c10d --rdzv_endpoint="$RDZV_ENDPOINT"
           --rdzv_id="${RDZV_ID:-sb_titan}")
@@ -91,25 +67,10 @@ else
   launch=(--standalone)
 fi
 
-rc=0
-.venv/bin/torchrun "${launch[@]}" --nproc_per_node="$NGPU" --max-restarts="$MAX_RESTARTS" \
-  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m sb_titan.tools.train --config_file "$CONFIG_FILE" "$@" || rc=$?
-
-# A rank hit an error that restarts would only repeat (config, data, profile): the next
-# attempt's ranks stopped at once; report the recorded cause and fail.
-cause() { .venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1])); print("%s (rank %s, attempt %s)" % (r["cause"], r["rank"], r["attempt"]))' "$1"; }
-if [ -s "$fatal_file" ]; then
-  echo "sb_titan: not retried: $(cause "$fatal_file")" >&2
-  exit 3
-fi
-# Any other failure ends the output with its cause once (the tracebacks are above).
-failure_file="$dump_folder/last_failure.json"
-if [ "$rc" -ne 0 ]; then
-  if [ -s "$failure_file" ]; then
-    echo "sb_titan: failed: $(cause "$failure_file")" >&2
-  else
-    echo "sb_titan: failed: a rank exited with status $rc without a Python error (killed?)" >&2
-  fi
-fi
-exit "$rc"
+# torchrun, with what sb_titan/tools/launch.py adds: the checks and the dump folder's
+# lock before any rank spawns (a problem is one line, exit 2), the cause of a failure
+# once at the end (exit 3 for errors a restart would only repeat), and on CPU ranks
+# forked from one process that imported the trainer once.
+exec .venv/bin/python -m sb_titan.tools.launch "${launch[@]}" --nproc_per_node="$NGPU" \
+  --max-restarts="$MAX_RESTARTS" --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -- --config_file "$CONFIG_FILE" "$@"

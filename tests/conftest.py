@@ -213,21 +213,25 @@ def _read_rank_logs(logs: Path, rank: int, name: str) -> str:
     return found[-1].read_text(errors="replace") if found else ""
 
 
-def prelaunch_refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, flag="--prelaunch") -> str:
-    """What run_train.sh runs before torchrun (`--prelaunch`, or `--check-config`): exit
-    status 2 and one line on stderr (log records go to stdout); nothing is written."""
-    from sb_titan.runtime.elastic import FATAL_FILE
-    from sb_titan.tools.train import main
+def prelaunch_refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, how="prelaunch") -> str:
+    """What the launcher runs before any rank spawns (`sb_titan.tools.train.prelaunch`),
+    or `--check-config` (`how="check-config"`): exit status 2 and one line on stderr (log
+    records go to stdout); nothing is written."""
+    from sb_titan.tools.train import main, prelaunch
 
     dump = tmp_path / "run"
+    argv = ["--config_file", str(config), "--dump_folder", str(dump), *args]
     with pytest.raises(SystemExit) as exit_:
-        main([flag, "--config_file", str(config), "--dump_folder", str(dump), *args])
+        if how == "check-config":
+            main(["--check-config", *argv])
+        else:
+            prelaunch(argv, max_restarts=0)
     assert exit_.value.code == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("sb_titan: config error: "), err
     assert str(config) in lines[0]
-    assert not dump.exists() and FATAL_FILE not in out  # no rank spawns, no run folder
+    assert not dump.exists()  # no rank spawns, no run folder
     return lines[0]
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, TINY, cpu_env, losses, scalars
+from conftest import REPO, TINY, cpu_env, losses, scalars, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -59,15 +59,19 @@ def test_default_run(tmp_path):
 
 def test_two_nodes_on_loopback(tmp_path):
     """Two run_train.sh invocations (NNODES=2, NODE_RANK=0/1, one process each) form one
-    2-rank job (FSDP across the 'nodes') that trains."""
+    2-rank job (FSDP across the 'nodes') that trains exactly as one node's 2 ranks do.
+    Node 0 forks its rank from the launcher's preloaded server (the CPU default), node 1
+    starts a fresh interpreter (SB_FORK_RANKS=0, what a GPU node does): torchrun's agent
+    logs which entry point it started."""
     port = str(_free_port())
-    env = dict(NNODES="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    args = ["./run_train.sh", "--dump_folder", str(tmp_path), *TINY, "--training.steps", "4"]
+    env = dict(NNODES="2", NGPU="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, LOGLEVEL="INFO")
+    steps = ["--training.steps", "4"]
+    args = ["./run_train.sh", "--dump_folder", str(tmp_path / "nodes"), *TINY, *steps]
     nodes = [
         subprocess.Popen(
             args,
             cwd=REPO,
-            env=cpu_env(NODE_RANK=str(rank), **env),
+            env=cpu_env(NODE_RANK=str(rank), SB_FORK_RANKS=str(1 - rank), **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -78,8 +82,12 @@ def test_two_nodes_on_loopback(tmp_path):
     for node, out in zip(nodes, outs, strict=True):
         assert node.returncode == 0, out[-4000:]
     assert "dp_shard=2" in outs[0]  # one job, data parallel over both nodes
-    loss = losses(tmp_path)
+    assert "starting workers for entrypoint: run_script_path" in outs[0]  # forked
+    assert "starting workers for entrypoint: python" in outs[1]  # a fresh interpreter
+    loss = losses(tmp_path / "nodes")
     assert len(loss) == 4 and loss[-1] < loss[0], loss
+    torchrun(2, steps, tmp_path / "one_node")
+    assert loss == losses(tmp_path / "one_node")
 
 
 def test_torchtitan_native_launch(tmp_path):

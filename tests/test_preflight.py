@@ -197,11 +197,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("flag", ["--prelaunch", "--check-config"])
+@pytest.mark.parametrize("how", ["prelaunch", "check-config"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_each_case_is_refused_before_launch(capsys, tmp_path, case, flag):
+def test_each_case_is_refused_before_launch(capsys, tmp_path, case, how):
     args, needles = CASES[case]
-    line = prelaunch_refused(capsys, tmp_path, *args, flag=flag)
+    line = prelaunch_refused(capsys, tmp_path, *args, how=how)
     assert all(n in line for n in needles), line
 
 

@@ -4,12 +4,15 @@ processes and restarts of one run share its lock."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 from conftest import DEBUG_TOML, REPO, TINY, cpu_env
@@ -129,3 +132,41 @@ def test_one_runs_processes_and_restarts_share_the_lock(tmp_path):
     lock_path(tmp_path).write_text("{")
     with pytest.raises(DumpFolderLocked, match="unreadable lock"):
         acquire(tmp_path, os.getpid(), "run-e", "test")
+
+
+@pytest.mark.torchrun
+def test_a_stopped_launch_stops_its_ranks_and_gives_the_folder_back(tmp_path):
+    """SIGTERM to run_train.sh (its launcher: the script execs it) while ranks train:
+    torchrun's agent stops them, the launcher releases the lock, says so in one line and
+    exits 128 + 15; no process of the run is left."""
+    args = ["./run_train.sh", "--dump_folder", str(tmp_path), *TINY, "--training.steps", "200"]
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stdout:  # until a step has trained
+        seen.append(line)
+        if "step:  1 " in line:
+            break
+    assert lock_path(tmp_path).exists(), "".join(seen[-20:])
+    token = read_holder(lock_path(tmp_path)).run
+    proc.terminate()
+    out = "".join(seen) + proc.stdout.read()
+    assert proc.wait(timeout=60) == 128 + 15, out[-3000:]
+    assert out.strip().splitlines()[-1] == "sb_titan: stopped by SIGTERM", out[-3000:]
+    assert not lock_path(tmp_path).exists()
+    deadline = time.monotonic() + 30  # the forkserver leaves once its launcher is gone
+    while (left := _processes_of_run(token)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+def _processes_of_run(token: str) -> list[str]:
+    """Pids of live processes that inherited the run's token (every process of a run)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        with contextlib.suppress(OSError):
+            if f"SB_RUN_TOKEN={token}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(environ.parent.name)
+    return found

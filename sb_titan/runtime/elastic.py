@@ -24,11 +24,6 @@ import signal
 import sys
 from pathlib import Path
 
-from sb_titan.balance.cost_model import ProfileError
-from sb_titan.data.checksums import ChecksumError
-from sb_titan.data.indexed import DatasetError
-from sb_titan.data.source import VocabularyError
-from sb_titan.runtime.checkpoint import CheckpointIntegrityError
 from sb_titan.util.files import write_atomic
 
 
@@ -38,13 +33,14 @@ class NotRetryable(Exception):
 
 FATAL_FILE = "fatal_error.json"
 FAILURE_FILE = "last_failure.json"
-"""The latest error any rank of this job died of (retried or not): run_train.sh ends
+"""The latest error any rank of this job died of (retried or not): the launcher ends
 with it as one line when the job fails."""
 NOT_RETRIED_EXIT = 3
 """Exit status of a job stopped by an error that a restart would only repeat."""
 LAUNCHER_ENV = "SB_LAUNCHER"
-"""run_train.sh sets it to 'run_train.sh': it reports the recorded cause after torchrun
-returns, so the stopped attempt's ranks may exit 0 (ending the restarts at once)."""
+"""The launcher (sb_titan.tools.launch, run_train.sh's) sets it to 'run_train.sh': it
+reports the recorded cause after torchrun returns, so the stopped attempt's ranks may
+exit 0 (ending the restarts at once)."""
 
 
 def restart_count() -> int:
@@ -73,22 +69,52 @@ def fatal_path(dump_folder: str | os.PathLike) -> Path:
     return Path(dump_folder) / FATAL_FILE
 
 
-def prelaunch(config, max_restarts: int) -> Path:
-    """run_train.sh's step before torchrun: warn about restarts without checkpoints and
-    clear a stale error record of an earlier job. Returns the record's path."""
+def prelaunch(config, max_restarts: int) -> None:
+    """The launcher's step before any rank spawns: warn about restarts without
+    checkpoints and clear the error records of an earlier job."""
     warning = restart_warning(config, max_restarts)
     if warning:
         print(f"sb_titan: warning: {warning}", file=sys.stderr)
     Path(config.dump_folder, FAILURE_FILE).unlink(missing_ok=True)
-    path = fatal_path(config.dump_folder)
-    path.unlink(missing_ok=True)
-    return path
+    fatal_path(config.dump_folder).unlink(missing_ok=True)
+
+
+def job_outcome(dump_folder: str | os.PathLike, failed_exitcode: int | None) -> tuple[int, str]:
+    """How the launcher ends once torchrun returns (`failed_exitcode`: the first failed
+    rank's, None if every rank exited 0): exit status and last line. An error restarts
+    would only repeat ends with NOT_RETRIED_EXIT (its stopped attempt exited 0); any
+    other failure with 1, as torchrun, and its recorded cause once (the tracebacks are
+    above it)."""
+    fatal = _recorded(fatal_path(dump_folder))
+    if fatal is not None:
+        return NOT_RETRIED_EXIT, f"sb_titan: not retried: {fatal}"
+    if failed_exitcode is None:
+        return 0, ""
+    cause = _recorded(Path(dump_folder, FAILURE_FILE))
+    if cause is None:
+        cause = f"a rank exited with status {failed_exitcode} without a Python error (killed?)"
+    return 1, f"sb_titan: failed: {cause}"
+
+
+def _recorded(path: Path) -> str | None:
+    try:
+        record = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return f"{record['cause']} (rank {record['rank']}, attempt {record['attempt']})"
 
 
 # -- errors that must not be retried ----------------------------------------------------------
 def is_permanent(error: BaseException) -> bool:
     """Errors a user has to fix (config, dataset, vocabulary, latency profile, a corrupt
     checkpoint without fallback): a restart repeats them."""
+    # imported here: the launcher reads this module's records without loading the trainer
+    from sb_titan.balance.cost_model import ProfileError
+    from sb_titan.data.checksums import ChecksumError
+    from sb_titan.data.indexed import DatasetError
+    from sb_titan.data.source import VocabularyError
+    from sb_titan.runtime.checkpoint import CheckpointIntegrityError
+
     permanent = (
         NotRetryable,
         DatasetError,

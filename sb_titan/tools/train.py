@@ -1,16 +1,19 @@
 """Entry point: `python -m sb_titan.tools.train --config X.toml [--section.key value ...]`.
 
-run_train.sh launches this under torchrun. Problems found before training (config,
-profile, dataset, checkpoint integrity) exit with status 2 and one line naming the file
-and key or step, no traceback. `--check-config` checks and exits; `--prelaunch`
-(run_train.sh, before torchrun) also warns about restarts without checkpoints and prints
-where a rank records an error that restarts would only repeat (runtime/elastic.py).
+run_train.sh launches this under torchrun (sb_titan.tools.launch). Problems found before
+training (config, profile, dataset, checkpoint integrity) exit with status 2 and one line
+naming the file and key or step, no traceback. `--check-config` checks and exits;
+`prelaunch` (the launcher, before any rank spawns) also takes the dump folder's lock and
+warns about restarts without checkpoints (runtime/elastic.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 from sb_titan.util import run_lock
 
@@ -87,33 +90,56 @@ def main(argv: list[str] | None = None) -> None:
     elif any(a in HELP_FLAGS for a in argv):
         print(USAGE)
         return
-    prelaunch = "--prelaunch" in argv
-    check_only = prelaunch or "--check-config" in argv
-    argv = [a for a in argv if a not in ("--check-config", "--prelaunch")]
-    # Past the help: what training (or checking a config) needs, imported only now.
-    from sb_titan import compat
-
-    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
-    import torch
-    from torchtitan.tools.logging import init_logger
-
-    from sb_titan.config.toml import ConfigError
+    check_only = "--check-config" in argv
+    argv = [a for a in argv if a != "--check-config"]
+    _set_up_process()
     from sb_titan.runtime import elastic
-    from sb_titan.runtime.checkpoint import CheckpointIntegrityError
-    from sb_titan.runtime.console import install_log_filter
 
-    init_logger()  # before parsing: it logs what an HF initial load changes in [model]
-    install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
-    try:
-        config = parse(argv, check=check_only, lock=prelaunch)
-        if prelaunch:
-            print(elastic.prelaunch(config, int(os.environ.get("MAX_RESTARTS", "0"))))
+    with one_line_errors():
+        config = parse(argv, check=check_only)
         if check_only:
             return
         # before this process writes anything there; ranks of this run share the lock
         holder = run_lock.claim_for_rank(config.dump_folder)
         elastic.stop_if_earlier_fatal(config.dump_folder)
         run(config, holder)
+
+
+def prelaunch(argv: list[str], max_restarts: int) -> Path:
+    """The launcher's step before any rank spawns: take the dump folder's lock for the
+    launcher, run every check, warn about restarts without checkpoints. Returns the dump
+    folder; a problem is one line and exit status 2, as in `main`."""
+    _set_up_process()
+    from sb_titan.runtime import elastic
+
+    with one_line_errors():
+        config = parse(argv, check=True, lock=True)
+        elastic.prelaunch(config, max_restarts)
+        return Path(config.dump_folder)
+
+
+def _set_up_process() -> None:
+    """Past the help: what training (or checking a config) needs, imported only now."""
+    from sb_titan import compat
+
+    compat.install()  # entry point: TorchTitan's device handling on CPU, API backports
+    import torch
+    from torchtitan.tools.logging import init_logger
+
+    from sb_titan.runtime.console import install_log_filter
+
+    init_logger()  # before parsing: it logs what an HF initial load changes in [model]
+    install_log_filter(on_cpu=not torch.cuda.is_available())  # its harmless messages
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Problems a user must fix: one line, exit status 2, no traceback."""
+    from sb_titan.config.toml import ConfigError
+    from sb_titan.runtime.checkpoint import CheckpointIntegrityError
+
+    try:
+        yield
     except ConfigError as e:
         _stop("config error", e)
     except CheckpointIntegrityError as e:

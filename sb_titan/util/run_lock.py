@@ -5,10 +5,10 @@ and failure records. The lock names its holder as JSON: host, pid (with the proc
 start time, so a reused pid is not mistaken for the holder), when it was taken, and a
 run token shared by every process of one run:
 
-  * run_train.sh exports `SB_RUN_TOKEN` (random per launch on one node; on several
-    nodes derived from the rendezvous id and endpoint, the same on every node) and
-    `SB_LAUNCHER_PID` (its own pid); its `--prelaunch` step takes the lock before any
-    rank spawns, and the script removes it when torchrun returns;
+  * run_train.sh's launcher (sb_titan/tools/launch.py) exports `SB_RUN_TOKEN` (random
+    per launch on one node; on several nodes derived from the rendezvous id and
+    endpoint, the same on every node) and `SB_LAUNCHER_PID` (its own pid); its check
+    takes the lock before any rank spawns, and it removes it when torchrun returns;
   * under any torchrun (TorchTitan's own launcher included) without run_train.sh, the
     token is torchrun's run id (`TORCHELASTIC_RUN_ID`): global rank 0 takes the lock
     for its torchrun agent (its parent process, alive across elastic restarts), and
@@ -19,7 +19,7 @@ A lock whose token is the caller's own run (its launcher's, or an earlier attemp
 the same torchrun job) is accepted, so elastic restarts never refuse themselves. A lock
 held by a process that no longer exists on this host is stale: it is taken over with a
 one-line message. Anything else is refused with one line naming the holder. Only the
-standard library is used: run_train.sh calls this module to release the lock.
+standard library is used: the launcher releases the lock without loading the trainer.
 """
 
 from __future__ import annotations
@@ -230,22 +230,10 @@ def claim_for_rank(dump_folder: str | os.PathLike) -> Holder | None:
 
 
 def claim_for_launcher(dump_folder: str | os.PathLike) -> Holder | None:
-    """run_train.sh's `--prelaunch`: take the lock for the script's process before any
-    rank spawns. Without run_train.sh's variables (a bare `--prelaunch`) nothing is
-    taken: the lock would outlive the check."""
+    """The launcher's check: take the lock for the launcher's process before any rank
+    spawns. Without the launcher's variables nothing is taken: the lock would outlive
+    the check."""
     run, pid = os.environ.get(TOKEN_ENV), os.environ.get(LAUNCHER_PID_ENV)
     if not run or not pid:
         return None
     return acquire(dump_folder, int(pid), run, "run_train.sh")
-
-
-def main(argv: list[str]) -> None:
-    """`python -m sb_titan.util.run_lock release DUMP_FOLDER` (run_train.sh at exit)."""
-    if len(argv) != 2 or argv[0] != "release":
-        raise SystemExit("usage: python -m sb_titan.util.run_lock release DUMP_FOLDER")
-    pid, run = int(os.environ[LAUNCHER_PID_ENV]), os.environ[TOKEN_ENV]
-    release(argv[1], pid, run)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
