@@ -170,11 +170,11 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
 
 
 def torchrun(config: Path, dump: Path, args: list[str], log: Path) -> None:
-    """One training run with 2 gloo processes; resumes from dump's checkpoint if any."""
+    """One training run with 2 gloo processes (sb-launch, as run_train.sh); resumes from
+    dump's checkpoint if any."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "sb_titan.tools.train", "--config_file", str(config), "--dump_folder", str(dump),
-        *args,
+        sys.executable, "-m", "sb_titan.tools.launch", "--standalone", "--nproc_per_node=2",
+        "--", "--config_file", str(config), "--dump_folder", str(dump), *args,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "a") as f:
@@ -189,7 +189,7 @@ def torchrun(config: Path, dump: Path, args: list[str], log: Path) -> None:
                     print(f"  {dump.name}: {line}", flush=True)
     if proc.returncode != 0:
         tail = log.read_text()[-4000:]
-        sys.exit(f"training failed ({' '.join(cmd[5:])}); last lines of {log}:\n{tail}")
+        sys.exit(f"training failed ({' '.join(cmd[6:])}); last lines of {log}:\n{tail}")
 
 
 def last_step_line(log: Path) -> str | None:

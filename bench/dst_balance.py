@@ -85,8 +85,8 @@ def write_config(path: Path, data: Path, steps: int, dst: bool, beta0: float) ->
 
 
 def launch(config: Path, dump: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "sb_titan.tools.train", "--config_file", str(config), "--dump_folder", str(dump)]
+    cmd = [sys.executable, "-m", "sb_titan.tools.launch", "--standalone", "--nproc_per_node=2"]
+    cmd += ["--", "--config_file", str(config), "--dump_folder", str(dump)]  # as run_train.sh
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 

@@ -62,10 +62,12 @@ def torchrun(
     env: dict[str, str] | None = None,
     check: bool = True,
     fixture: str | None = None,
+    **forked,
 ) -> subprocess.CompletedProcess:
     """Train `sb_titan.tools.train` on `nproc` CPU ranks under torchrun's elastic agent,
     every rank patched by tests/fixtures/`fixture` if given; a failed run fails the
-    test unless `check` is False (then read its returncode).
+    test unless `check` is False (then read its returncode). `forked`: forked_torchrun's
+    `max_restarts` and `rank_env`.
 
     Without `env`, the agent runs in this process and forks each rank from a server
     that imported the trainer once (`forked_torchrun`); with `env` (the Triton
@@ -76,7 +78,7 @@ def torchrun(
     if fixture is not None and fixture not in FORKABLE_FIXTURES:
         env, fixture = {**fixture_env(fixture), **(env or {})}, None
     if env is None:
-        return forked_torchrun(nproc, argv, timeout, check, fixture)
+        return forked_torchrun(nproc, argv, timeout, check, fixture, **forked)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={nproc}", "-m", "sb_titan.tools.train", *argv]
     proc = subprocess.run(
@@ -89,19 +91,18 @@ def torchrun(
     return proc
 
 
-# Ranks forked from one server per test process, which imported these once: importing
-# the trainer (torch, TorchTitan, datasets) is ~12 CPU s, most of a tiny rank's work
-FORKSERVER_PRELOAD = ["sb_titan.tools.train", "sb_titan.config.defaults"]
 # Fixtures a forked rank applies itself: they replace attributes that every caller looks
 # up when it calls (a trainer method; `dist.all_gather_object`, which no module imports
-# by name), so the patch reaches the modules the forkserver imported. Others start fresh
-# interpreters that import their sitecustomize.py first.
-FORKABLE_FIXTURES = ("deterministic_clock", "no_object_gather")
+# by name; checkpoint.finalize), so the patch reaches the modules the forkserver
+# imported. Others start fresh interpreters that import their sitecustomize.py first.
+FORKABLE_FIXTURES = ("deterministic_clock", "no_object_gather", "crash_before_finalize")
 
 
-def patched_train(fixture: str, argv: list[str]) -> None:
-    """A forked rank's entry point: apply tests/fixtures/`fixture`, then train."""
-    runpy.run_path(str(REPO / "tests" / "fixtures" / fixture / "sitecustomize.py"))
+def patched_train(fixture: str | None, rank_env: dict[str, str], argv: list[str]) -> None:
+    """A forked rank's entry point: set `rank_env`, apply tests/fixtures/`fixture`, train."""
+    os.environ.update(rank_env)
+    if fixture is not None:
+        runpy.run_path(str(REPO / "tests" / "fixtures" / fixture / "sitecustomize.py"))
     from sb_titan.tools.train import main
 
     main(argv)
@@ -113,14 +114,18 @@ def forked_torchrun(
     timeout: int = 300,
     check: bool = True,
     fixture: str | None = None,
+    max_restarts: int = 0,
+    rank_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """torchrun, with its own parser, rendezvous (what `--standalone` sets), elastic
-    agent and gloo ranks as processes, and the training entry point as a function
-    (`sb_titan.tools.train.main`), as torch.distributed.run's API allows. The ranks
-    are forked from a forkserver (start method "forkserver") that preloaded the
-    trainer, so a launch costs its training, not ~12 CPU s of imports per rank. What
-    each rank prints goes to its log files, returned as the process's stdout / stderr
-    (rank order); the returncode is the first failed rank's exit code."""
+    agent and restarts, gloo ranks as processes, and the training entry point as a
+    function (`sb_titan.tools.train.main`), as torch.distributed.run's API allows. The
+    ranks are forked from a forkserver (start method "forkserver") that preloaded the
+    trainer (sb-launch's FORK_PRELOAD), so a launch costs its training, not ~12 CPU s
+    of imports per rank. `rank_env` is set in each rank (the agent passes only its own
+    variables). What each rank prints, every attempt in order, goes to its log files,
+    returned as the process's stdout / stderr (rank order); the returncode is the
+    first failed rank's exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
@@ -131,6 +136,7 @@ def forked_torchrun(
     launcher = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
     launcher += ["--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}"]
     launcher += ["--start-method", "forkserver", "--log-dir", str(logs), "--redirects", "3"]
+    launcher += [f"--max-restarts={max_restarts}"]
     launch, _, _ = config_from_args(parse_args([*launcher, "-m", "sb_titan.tools.train"]))
     _start_forkserver()
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}  # the agent sets them
@@ -142,10 +148,10 @@ def forked_torchrun(
     signal.alarm(timeout)
     failure, returncode = None, 0
     try:
-        if fixture is None:
+        if fixture is None and not rank_env:
             elastic_launch(launch, train_main)(argv)
         else:
-            elastic_launch(launch, patched_train)(fixture, argv)
+            elastic_launch(launch, patched_train)(fixture, rank_env or {}, argv)
     except ChildFailedError as err:
         failure, returncode = err, err.get_first_failure()[1].exitcode or 1
     except TimeoutError as err:
@@ -171,7 +177,9 @@ def _start_forkserver() -> None:
     """Start this process's forkserver on first use (later calls check it is alive),
     with the trainer preloaded and one intra-op thread per rank (what torchrun sets; a
     forked rank keeps the server's environment)."""
-    multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+    from sb_titan.tools.launch import FORK_PRELOAD
+
+    multiprocessing.forkserver.set_forkserver_preload(FORK_PRELOAD)
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "PYTHONUNBUFFERED")}
     os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
@@ -208,9 +216,13 @@ def _kill_forked_ranks() -> None:
 
 
 def _read_rank_logs(logs: Path, rank: int, name: str) -> str:
-    """What local rank `rank` wrote to `name` (the agent's `--log-dir` of the last attempt)."""
-    found = sorted(logs.glob(f"*/attempt_*/{rank}/{name}.log"), key=lambda p: p.stat().st_mtime)
-    return found[-1].read_text(errors="replace") if found else ""
+    """What local rank `rank` wrote to `name` (the agent's `--log-dir`), every attempt in
+    order."""
+    found = sorted(
+        logs.glob(f"*/attempt_*/{rank}/{name}.log"),
+        key=lambda p: int(p.parents[1].name.removeprefix("attempt_")),
+    )
+    return "".join(path.read_text(errors="replace") for path in found)
 
 
 def prelaunch_refused(capsys, tmp_path, *args: str, config=DEBUG_TOML, how="prelaunch") -> str:

@@ -16,7 +16,6 @@ from conftest import (
     REPO,
     TINY,
     cpu_env,
-    fixture_env,
     losses,
     sample_log,
     scalars,
@@ -282,24 +281,21 @@ def test_fallback_resumes_from_previous_checkpoint(trained, tmp_path):
 
 
 @pytest.mark.torchrun
-def test_crash_between_save_and_manifest_restarts_from_last_complete_step(trained, tmp_path):
+def test_crash_between_save_and_manifest_restarts_from_last_complete_step(
+    trained, tmp_path, monkeypatch
+):
     """Every rank dies after DCP wrote step 4 and before its manifest (a hook, first
     attempt only); torchrun's restart skips the incomplete step-4 for step-2, without
     fallback_to_previous, and retrains to the uninterrupted run's losses, bit for bit."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    env = {
-        **fixture_env("crash_before_finalize"),
-        "SB_TEST_CRASH_BEFORE_FINALIZE": "4",
-        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # as run_train.sh, for the restart
-    }
-    cmd = [*launcher, "--nproc_per_node=2", "--max-restarts=1", "-m", "sb_titan.tools.train"]
-    proc = subprocess.run(
-        [*cmd, *_entry(tmp_path, "--training.steps", "4", "--sab.policy", "sequential")],
-        cwd=REPO,
-        env=cpu_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as sb-launch, for the restart
+    proc = torchrun(
+        2,
+        _ckpt("--training.steps", "4", "--sab.policy", "sequential"),
+        tmp_path,
+        check=False,
+        fixture="crash_before_finalize",
+        max_restarts=1,
+        rank_env={"SB_TEST_CRASH_BEFORE_FINALIZE": "4"},
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
@@ -316,8 +312,8 @@ def test_crash_between_save_and_manifest_restarts_from_last_complete_step(traine
     assert "Training starts at step 3" in out
     assert losses(tmp_path) == losses(trained) and len(losses(trained)) == 4
     verify(tmp_path / "checkpoint" / "step-4")  # the retrained step 4 is complete
-    # rank 0 took the dump-folder lock for torchrun's agent; the restart accepted it as
-    # its own run's and released it at the end
+    # rank 0 took the dump-folder lock for its parent (torchrun's agent; here the server
+    # it was forked from); the restart accepted it as its own run's and released it
     assert not (tmp_path / "sb_titan.lock").exists()
 
 
