@@ -46,13 +46,6 @@ def cpu_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def fixture_env(name: str) -> dict[str, str]:
-    """Environment that puts tests/fixtures/<name> (a sitecustomize.py patching the
-    trainer in every torchrun process) first on PYTHONPATH."""
-    path = REPO / "tests" / "fixtures" / name
-    return {"PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])}
-
-
 def torchrun(
     nproc: int,
     args: list[str],
@@ -70,17 +63,15 @@ def torchrun(
     `max_restarts` and `rank_env`.
 
     Without `env`, the agent runs in this process and forks each rank from a server
-    that imported the trainer once (`forked_torchrun`); with `env` (the Triton
-    interpreter, a fixture that must patch before the trainer is imported),
-    `python -m torch.distributed.run` runs as a command, so every rank starts a fresh
-    interpreter with that environment."""
+    that imported the trainer once (`forked_torchrun`). With `env` (the Triton
+    interpreter, which must be on before Triton is imported), sb-launch runs as a
+    command: its own server imports the trainer with that environment."""
     argv = ["--config_file", str(config), "--dump_folder", str(dump), *TINY, *args]
-    if fixture is not None and fixture not in FORKABLE_FIXTURES:
-        env, fixture = {**fixture_env(fixture), **(env or {})}, None
     if env is None:
         return forked_torchrun(nproc, argv, timeout, check, fixture, **forked)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={nproc}", "-m", "sb_titan.tools.train", *argv]
+    assert fixture is None and not forked, "fixtures and restarts are forked_torchrun's"
+    cmd = [sys.executable, "-m", "sb_titan.tools.launch", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "--", *argv]
     proc = subprocess.run(
         cmd, cwd=REPO, env=cpu_env(**env), capture_output=True, text=True, timeout=timeout
     )
@@ -91,15 +82,11 @@ def torchrun(
     return proc
 
 
-# Fixtures a forked rank applies itself: they replace attributes that every caller looks
-# up when it calls (a trainer method; `dist.all_gather_object`, which no module imports
-# by name; checkpoint.finalize), so the patch reaches the modules the forkserver
-# imported. Others start fresh interpreters that import their sitecustomize.py first.
-FORKABLE_FIXTURES = ("deterministic_clock", "no_object_gather", "crash_before_finalize")
-
-
 def patched_train(fixture: str | None, rank_env: dict[str, str], argv: list[str]) -> None:
-    """A forked rank's entry point: set `rank_env`, apply tests/fixtures/`fixture`, train."""
+    """A forked rank's entry point: set `rank_env`, apply tests/fixtures/`fixture`, train.
+    Each fixture replaces attributes that every caller looks up when it calls (a trainer
+    method; `dist.all_gather_object`, which no module imports by name;
+    `checkpoint.finalize`), so the patch reaches the modules the forkserver imported."""
     os.environ.update(rank_env)
     if fixture is not None:
         runpy.run_path(str(REPO / "tests" / "fixtures" / fixture / "sitecustomize.py"))
