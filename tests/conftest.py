@@ -179,6 +179,37 @@ def _start_forkserver() -> None:
                 os.environ[key] = value
 
 
+def forked_train_cli(
+    argv: list[str], timeout: int = 300, **env: str
+) -> subprocess.CompletedProcess:
+    """`python -m sb_titan.tools.train ARGV` as a process of its own (fresh process state,
+    its own stdout / stderr and exit status) forked from this test process's server,
+    which imported the trainer once: what a command-line check costs, not ~12 CPU s of
+    imports. `env` is set in the child."""
+    _start_forkserver()
+    context = multiprocessing.get_context("forkserver")
+    with tempfile.TemporaryDirectory(prefix="sb_train_cli_") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        child = context.Process(target=_train_cli_child, args=(argv, env, out, err))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            pytest.fail(f"sb_titan.tools.train {argv} ran past {timeout} s")
+        stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    cmd = [sys.executable, "-m", "sb_titan.tools.train", *argv]
+    return subprocess.CompletedProcess(cmd, child.exitcode, stdout, stderr)
+
+
+def _train_cli_child(argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):  # the process's own stdout / stderr
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    from sb_titan.tools.train import main
+
+    main(argv)
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Stop this process's forkserver and reap it, so that its ranks' CPU time counts as
     this process's children's, as a torchrun command's would (what the suite's CPU

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from conftest import (
     REPO,
     TINY,
     cpu_env,
+    forked_train_cli,
     losses,
     sample_log,
     scalars,
@@ -256,7 +256,7 @@ def test_flipped_bytes_stop_the_resume_before_any_step(trained, tmp_path):
     assert f"checkpoint step 4 is corrupted: {bad} has xxh3_64" in lines[0]
     assert "Training starts" not in out and not scalars(dump, "loss_metrics/global_avg_loss")
     # The launcher's check (run_train.sh runs it before torchrun) says the same.
-    check = _run([sys.executable, "-m", "sb_titan.tools.train", "--check-config", *_entry(dump)])
+    check = forked_train_cli(["--check-config", *_entry(dump)])
     assert check.returncode == 2 and f"checkpoint step 4 is corrupted: {bad}" in check.stderr
     # So do sb-export / sb-eval, which load the weights without the trainer.
     with pytest.raises(CheckpointIntegrityError, match="step 4 is corrupted.*__1_0.distcp"):

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, cpu_env, prelaunch_refused
+from conftest import REPO, cpu_env, forked_train_cli, prelaunch_refused
 
 from sb_titan.config.toml import ConfigError, check_training_backend, load_config
 from sb_titan.models.registry import derive_model_spec
@@ -108,21 +106,7 @@ def test_missing_file():
 def test_cli_reports_one_clear_line_and_exit_code_2(tmp_path):
     """Through the real entry point (what run_train.sh calls before torchrun)."""
     path = _write(tmp_path, "[training]\nstepz = 3\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sb_titan.tools.train",
-            "--check-config",
-            "--config_file",
-            str(path),
-        ],
-        cwd=REPO,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = forked_train_cli(["--check-config", "--config_file", str(path)])
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert f"{path}: unknown key 'training.stepz'" in proc.stderr
@@ -142,28 +126,13 @@ def test_run_train_sh_rejects_bad_config_before_launch(tmp_path):
     assert "config file not found" in proc.stderr
 
 
-def _run_train_refused(args: list[str], dump: Path) -> subprocess.CompletedProcess:
-    """./run_train.sh with `args`; it must exit 2 (refused before launch)."""
-    proc = subprocess.run(
-        ["./run_train.sh", *args, "--dump_folder", str(dump)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cpu_env(),
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    return proc
-
-
 def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, capsys):
-    """steps <= 0 spawned every rank, trained nothing and exited 0. Through run_train.sh
-    once; its check in this process for the other value."""
-    proc = _run_train_refused(["--training.steps", "0"], tmp_path)
-    assert "'training.steps' = 0, expected >= 1" in proc.stderr
-    assert "torchrun" not in proc.stderr and not any(tmp_path.iterdir())
-    line = prelaunch_refused(capsys, tmp_path, "--training.steps", "-3")
-    assert "'training.steps' = -3, expected >= 1" in line and not any(tmp_path.iterdir())
+    """steps <= 0 spawned every rank, trained nothing and exited 0. The launcher's check
+    refuses it (run_train.sh's refusal path is the test above)."""
+    for steps in ("0", "-3"):
+        line = prelaunch_refused(capsys, tmp_path, "--training.steps", steps)
+        assert f"'training.steps' = {steps}, expected >= 1" in line
+        assert not any(tmp_path.iterdir())
 
 
 def test_flex_backend_loads_and_is_checked_for_training(tmp_path):
@@ -191,16 +160,22 @@ def test_flex_training_on_cpu_is_refused_before_launch(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize(
-    "launcher", [["./run_train.sh"], [sys.executable, "-m", "sb_titan.tools.train"]]
-)
+@pytest.mark.parametrize("launcher", ["run_train.sh", "sb-train"])
 def test_help_all_prints_usage_and_every_override(launcher):
     """--help-all prints the usage and every override, with the real choices of the
     recipe's named values (not "one of POLICIES" typed STR), and exits 0."""
-    env = cpu_env(COLUMNS="200")  # wide enough that no choice list wraps
-    proc = subprocess.run(
-        [*launcher, "--help-all"], cwd=REPO, capture_output=True, text=True, timeout=180, env=env
-    )
+    wide = {"COLUMNS": "200"}  # wide enough that no choice list wraps
+    if launcher == "run_train.sh":
+        proc = subprocess.run(
+            ["./run_train.sh", "--help-all"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=cpu_env(**wide),
+        )
+    else:
+        proc = forked_train_cli(["--help-all"], **wide)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "usage: sb-train --config X.toml" in proc.stdout
     assert "--training.steps" in proc.stdout

@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import subprocess
-import sys
 
 import pytest
-from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, REPO, cpu_env, tiny_hf, tiny_hf_qwen2
+from conftest import DEBUG_HF_SHAPE, DEBUG_TOML, forked_train_cli, tiny_hf, tiny_hf_qwen2
 
 from sb_titan.config.toml import ConfigError, checked_model_spec, load_config
 from sb_titan.models.qwen2_5 import FLAVORS
@@ -137,14 +136,7 @@ def test_initial_load_in_hf_sets_the_run_model_and_eval_agrees(hf_dir):
 
 
 def _check_config(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "sb_titan.tools.train", "--check-config", "--config_file", *args],
-        cwd=REPO,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return forked_train_cli(["--check-config", "--config_file", *args])
 
 
 def test_check_config_refuses_a_mismatching_hf_checkpoint_in_one_line(hf_dir):
