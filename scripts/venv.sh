@@ -2,8 +2,6 @@
 # torch is installed first: pinned to the CPU wheel on machines without an NVIDIA GPU
 # (an unpinned torch would pull a multi-GB CUDA build); with a GPU, pyproject's range
 # lets pip pick the CUDA build. Override with SB_TORCH_SPEC="torch==X".
-# --no-compile: pip would byte-compile every module of every package (a third of the
-# set-up time, mostly torch files no run imports); Python compiles what it imports, once.
 sb_ensure_venv() {
   local root marker stamp py
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,7 +13,7 @@ sb_ensure_venv() {
   py="$(command -v python3.11 || command -v python3)"
   echo "sb_titan: setting up $root/.venv with $($py --version)" >&2
   [ -x "$root/.venv/bin/python" ] || "$py" -m venv "$root/.venv"
-  local pip=("$root/.venv/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
+  local pip=("$root/.venv/bin/python" -m pip install --disable-pip-version-check -q)
   local torch_spec="${SB_TORCH_SPEC:-}"
   if [ -z "$torch_spec" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
     torch_spec="torch==2.13.0"
