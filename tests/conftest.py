@@ -213,10 +213,10 @@ def _train_cli_child(argv: list[str], env: dict[str, str], out: Path, err: Path)
 def pytest_sessionfinish(session, exitstatus) -> None:
     """Stop this process's forkserver and reap it, so that its ranks' CPU time counts as
     this process's children's, as a torchrun command's would (what the suite's CPU
-    figures in CONTRIBUTING.md measure). multiprocessing offers no public stop."""
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_pid is not None:
-        server._stop()
+    figures in CONTRIBUTING.md measure)."""
+    from sb_titan.compat.forkserver import stop_forkserver
+
+    stop_forkserver()
 
 
 def _kill_forked_ranks() -> None:

@@ -13,6 +13,7 @@ TorchTitan-native launch through config_registry), and import order does not mat
     device.py       TorchTitan's device handling on a machine without an accelerator
     distributed.py  set_timeout backport; gloo's missing PREMUL_SUM under FSDP; the
                     functional collectives
+    forkserver.py   stopping multiprocessing's forkserver (sb-launch's rank server)
     metrics.py      which rank TorchTitan's metrics loggers write on
     models.py       TorchTitan's decoder returning hidden states (no lm_head)
     pipelining.py   the pre-split pipeline step() (torch < 2.14); a schedule's settings;

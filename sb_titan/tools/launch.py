@@ -16,7 +16,7 @@ around three things a bare torchrun does not do:
     elastic restart. With GPUs, the ranks start as torchrun starts them (fresh
     interpreters): a forked rank must not inherit an initialised CUDA driver, which
     has not been checked on a GPU. `SB_FORK_RANKS=0` starts fresh interpreters on CPU
-    too.
+    too. bench/launch.py measures both ways.
 """
 
 from __future__ import annotations
@@ -58,11 +58,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args([*torchrun_argv, "-m", "sb_titan.tools.train", *train_argv])
     fork = forks_ranks()
     token = _set_run_environment(args)
-    dump_folder = _check(train_argv, args, fork)
     try:
-        code, last_line = _launch(args, fork, dump_folder)
+        dump_folder = _check(train_argv, args, fork)
+        try:
+            code, last_line = _launch(args, fork, dump_folder)
+        finally:
+            run_lock.release(dump_folder, os.getpid(), token)
     finally:
-        run_lock.release(dump_folder, os.getpid(), token)
+        if fork:
+            from sb_titan.compat.forkserver import stop_forkserver
+
+            stop_forkserver()
     if last_line:
         print(last_line, file=sys.stderr)
     raise SystemExit(code)
