@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from conftest import REPO, cpu_env, forked_torchrun
 
 _spec = importlib.util.spec_from_file_location("accuracy_bench", REPO / "bench" / "accuracy.py")
@@ -60,11 +61,19 @@ def _must_not_train(*args) -> None:
 
 @pytest.mark.torchrun
 def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path, monkeypatch, capsys):
-    """With the shipped base: fine-tuning starts from it, so the result still recalls."""
+    """With the shipped base: fine-tuning starts from it, so the result still recalls.
+    The study runs in this process (its command line is the refusal test's below); each
+    run is the bench's own launch, sb-launch with 2 ranks."""
     base = bench.BASE
     out = tmp_path / "accuracy.json"
-    proc = _quick(out, tmp_path / "runs", base, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    argv = ["--quick", "--base", str(base), "--out", str(out), "--root", str(tmp_path / "runs")]
+    monkeypatch.setattr(sys, "argv", ["bench/accuracy.py", *argv])
+    threads = torch.get_num_threads()
+    try:
+        bench.main()  # the study sets torch's threads for its scoring
+    finally:
+        torch.set_num_threads(threads)
+    assert "[2/2]" in capsys.readouterr().out  # both variants trained
     result = json.loads(out.read_text())
     assert result["settings"]["base_sha256"] == bench.sha256(base / "model.safetensors")
     runs = result["runs"]
@@ -80,10 +89,7 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path, monkeypatch, ca
     assert "budget_mean" not in runs["dense/seed0"]["series"]  # no budget applies to dense
     # fine-tuning started from the base, not from a random init: it recalls
     assert runs["dense/seed0"]["dense"]["em"] >= 0.3
-    # resumable: a second invocation (in this process) finds every run done and trains
-    # nothing
-    argv = ["--quick", "--base", str(base), "--out", str(out), "--root", str(tmp_path / "runs")]
-    monkeypatch.setattr(sys, "argv", ["bench/accuracy.py", *argv])
+    # resumable: a second invocation finds every run done and trains nothing
     monkeypatch.setattr(bench, "torchrun", _must_not_train)
     bench.main()
     assert "[1/2]" not in capsys.readouterr().out
