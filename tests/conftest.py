@@ -427,9 +427,9 @@ SLOWEST_MODULES = [
     "test_attention_bench",
 ]
 """Handed out first (the slowest measured with empty compile caches, as on a fresh CI
-machine; CONTRIBUTING.md): run_tests.sh gives whole
-modules (`--dist loadfile`) to the worker that is free, in this order, so a module's
-module-scoped runs launch once, and a long module started last would finish last."""
+machine; CONTRIBUTING.md): run_tests.sh gives whole modules (`--dist loadfile`) to the
+worker that is free, in this order, so a module's module-scoped runs launch once, and a
+long module started last would finish last."""
 
 
 def pytest_collection_modifyitems(config, items):
