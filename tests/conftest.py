@@ -83,7 +83,8 @@ def torchrun(
 
 
 def patched_train(fixture: str | None, rank_env: dict[str, str], argv: list[str]) -> None:
-    """A forked rank's entry point: set `rank_env`, apply tests/fixtures/`fixture`, train.
+    """A forked process's entry point: set `rank_env`, apply tests/fixtures/`fixture` if
+    given, run `sb_titan.tools.train.main(argv)`.
     Each fixture replaces attributes that every caller looks up when it calls (a trainer
     method; `dist.all_gather_object`, which no module imports by name;
     `checkpoint.finalize`), so the patch reaches the modules the forkserver imported."""
@@ -117,8 +118,6 @@ def forked_torchrun(
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from sb_titan.tools.train import main as train_main
-
     logs = Path(tempfile.mkdtemp(prefix="torchrun_logs_"))  # outside every run's folder
     launcher = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
     launcher += ["--rdzv-id", str(uuid.uuid4()), f"--nproc-per-node={nproc}"]
@@ -135,10 +134,7 @@ def forked_torchrun(
     signal.alarm(timeout)
     failure, returncode = None, 0
     try:
-        if fixture is None and not rank_env:
-            elastic_launch(launch, train_main)(argv)
-        else:
-            elastic_launch(launch, patched_train)(fixture, rank_env or {}, argv)
+        elastic_launch(launch, patched_train)(fixture, rank_env or {}, argv)
     except ChildFailedError as err:
         failure, returncode = err, err.get_first_failure()[1].exitcode or 1
     except TimeoutError as err:
@@ -202,12 +198,9 @@ def forked_train_cli(
 
 
 def _train_cli_child(argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
-    os.environ.update(env)
     for fd, path in ((1, out), (2, err)):  # the process's own stdout / stderr
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    from sb_titan.tools.train import main
-
-    main(argv)
+    patched_train(None, env, argv)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

@@ -97,11 +97,18 @@ def job_outcome(dump_folder: str | os.PathLike, failed_exitcode: int | None) -> 
 
 
 def _recorded(path: Path) -> str | None:
-    try:
-        record = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
+    record = _read_record(path)
+    if record is None:
         return None
     return f"{record['cause']} (rank {record['rank']}, attempt {record['attempt']})"
+
+
+def _read_record(path: Path) -> dict | None:
+    """An error record (`_record`), or None where there is none or it is torn."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 # -- errors that must not be retried ----------------------------------------------------------
@@ -160,9 +167,8 @@ def earlier_fatal(dump_folder: str | os.PathLike) -> str | None:
     """The cause recorded by an earlier attempt of this same torchrun job, if any."""
     if restart_count() == 0:
         return None
-    try:
-        record = json.loads(fatal_path(dump_folder).read_text())
-    except (FileNotFoundError, ValueError):
+    record = _read_record(fatal_path(dump_folder))
+    if record is None:
         return None
     if record.get("run_id") != os.environ.get("TORCHELASTIC_RUN_ID"):
         return None  # another job's record (not launched through run_train.sh)

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     _set_up_process()
     from sb_titan.runtime import elastic
 
-    with one_line_errors():
+    with _one_line_errors():
         config = parse(argv, check=check_only)
         if check_only:
             return
@@ -112,7 +112,7 @@ def prelaunch(argv: list[str], max_restarts: int) -> Path:
     _set_up_process()
     from sb_titan.runtime import elastic
 
-    with one_line_errors():
+    with _one_line_errors():
         config = parse(argv, check=True, lock=True)
         elastic.prelaunch(config, max_restarts)
         return Path(config.dump_folder)
@@ -133,7 +133,7 @@ def _set_up_process() -> None:
 
 
 @contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
+def _one_line_errors() -> Iterator[None]:
     """Problems a user must fix: one line, exit status 2, no traceback."""
     from sb_titan.config.toml import ConfigError
     from sb_titan.runtime.checkpoint import CheckpointIntegrityError
