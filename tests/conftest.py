@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,10 +105,12 @@ def forked_torchrun(
     fixture: str | None = None,
     max_restarts: int = 0,
     rank_env: dict[str, str] | None = None,
+    entry: Callable[..., None] | None = None,
 ) -> subprocess.CompletedProcess:
     """torchrun, with its own parser, rendezvous (what `--standalone` sets), elastic
     agent and restarts, gloo ranks as processes, and the training entry point as a
-    function (`sb_titan.tools.train.main`), as torch.distributed.run's API allows. The
+    function (`sb_titan.tools.train.main`), as torch.distributed.run's API allows; or
+    `entry(*argv)` in its place (a function of a test's rank module). The
     ranks are forked from a forkserver (start method "forkserver") that preloaded the
     trainer (sb-launch's FORK_PRELOAD), so a launch costs its training, not ~12 CPU s
     of imports per rank. `rank_env` is set in each rank (the agent passes only its own
@@ -134,7 +137,10 @@ def forked_torchrun(
     signal.alarm(timeout)
     failure, returncode = None, 0
     try:
-        elastic_launch(launch, patched_train)(fixture, rank_env or {}, argv)
+        if entry is None:
+            elastic_launch(launch, patched_train)(fixture, rank_env or {}, argv)
+        else:
+            elastic_launch(launch, entry)(*argv)
     except ChildFailedError as err:
         failure, returncode = err, err.get_first_failure()[1].exitcode or 1
     except TimeoutError as err:

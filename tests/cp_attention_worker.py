@@ -1,8 +1,9 @@
-"""One rank of the CP attention check (launched by tests/test_context_parallel.py under
-torchrun, gloo): every rank builds the same rows, computes single-process block-sparse
-attention on the whole row as the reference, then its own shard with cp_attention (dense,
-a row-wide budget, and a budget per query block whose documents hold different betas), and
-writes the largest relative errors of out / dq / dk / dv to <out>/rank<r>.json."""
+"""One rank of the CP attention check (`main`, run by tests/test_context_parallel.py on
+ranks forked under torchrun's agent, gloo; or `torchrun cp_attention_worker.py OUT`):
+every rank builds the same rows, computes single-process block-sparse attention on the
+whole row as the reference, then its own shard with cp_attention (dense, a row-wide
+budget, and a budget per query block whose documents hold different betas), and writes
+the largest relative errors of out / dq / dk / dv to <out>/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -112,13 +113,13 @@ def main(out_dir: str) -> None:
                     results[key]["density"] = [float(totals[0]), ref_density]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    # Every rank's results are on disk. Tearing gloo down after functional collectives
-    # aborted the process now and then in this torch build (std::terminate at exit, after
-    # the results were written; ~1 launch in 5 at CP = 4), which would fail the test for
-    # something it does not check: leave without the teardown.
-    sys.stdout.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Every rank's results are on disk. Tearing gloo down after functional collectives
+    # aborted the process now and then in this torch build (std::terminate at exit, after
+    # the results were written; ~1 launch in 5 at CP = 4), which would fail a launch for
+    # something it does not check: leave without the teardown, as a forked rank does.
+    sys.stdout.flush()
+    os._exit(0)

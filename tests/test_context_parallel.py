@@ -4,13 +4,12 @@ torchrun/gloo processes (one launch per CP degree)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import cp_attention_worker
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, cpu_env
+from conftest import forked_torchrun
 
 from sb_titan.context_parallel.split import (
     CPSplit,
@@ -31,12 +30,7 @@ def test_cp_attention_matches_single_process(degree, tmp_path):
     budget, and one per query block whose documents hold different betas), zigzag and
     document splits, documents crossing shard boundaries and rows of many short ones;
     the shards' density adds up to the single-process density."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={degree}", "tests/cp_attention_worker.py", str(tmp_path),
-    ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    forked_torchrun(degree, [str(tmp_path)], timeout=600, entry=cp_attention_worker.main)
     for rank in range(degree):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(results) == 12  # 2 layouts x dense/sparse/mixed-budget x 2 splits
