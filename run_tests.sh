@@ -8,6 +8,10 @@ sb_ensure_venv
 # waiting (rendezvous, checkpoint I/O, restarts), which the other worker fills. Each
 # module stays on one worker (loadfile), so its module-scoped runs launch once; the
 # slowest modules go first (tests/conftest.py, kept in order by --no-loadscope-reorder).
+# Every process the suite starts writes bytecode for what it imports, once, even where
+# PYTHONDONTWRITEBYTECODE is set: set-up compiled only training's imports (scripts/venv.sh),
+# and hundreds of test processes would otherwise each compile the rest from source.
+export PYTHONDONTWRITEBYTECODE=
 workers="${SB_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest "$@"

@@ -409,21 +409,23 @@ def tiny_qwen_tokenizer(
 # -- two workers (./run_tests.sh runs pytest-xdist with --dist loadfile) --------------------------
 SLOWEST_MODULES = [
     "test_cp_training",
-    "test_compile",
     "test_launch",
-    "test_accuracy_bench",
     "test_elastic",
+    "test_accuracy_bench",
     "test_kernels",
     "test_checkpoint_integrity",
     "test_train_torchrun",
+    "test_compile",
     "test_gpu_bench",
+    "test_flex",
     "test_run_lock",
+    "test_triton_training",
     "test_preflight",
     "test_dst_torchrun",
-    "test_flex",
-    "test_context_parallel",
-    "test_triton_training",
-    "test_attention_bench",
+    "test_memory",
+    "test_readme",
+    "test_selection_bench",
+    "test_dst_balance",
 ]
 """Handed out first (the slowest measured with empty compile caches, as on a fresh CI
 machine; CONTRIBUTING.md): run_tests.sh gives whole modules (`--dist loadfile`) to the
