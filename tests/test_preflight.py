@@ -111,22 +111,6 @@ def test_step_shape_for_the_launch_world_size(capsys, monkeypatch):
     assert "training.global_batch_size (6)" in line
 
 
-def test_run_train_sh_stops_before_spawning(tmp_path):
-    data = _dataset(tmp_path / "ds", top_id=5000)
-    proc = subprocess.run(
-        ["./run_train.sh", "--dump_folder", str(tmp_path / "out"), *indexed_args(data)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cpu_env(),
-    )
-    assert proc.returncode == 2
-    assert "token id 5000 does not fit" in proc.stderr
-    assert "Traceback" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
-    assert not (tmp_path / "out").exists()
-
-
 # -- every case a launch refuses: exit 2, one line naming file and key, no rank ------------
 E2E_PROFILE = REPO / "profiles" / "e2e_cpu.json"
 DEBUG_PROFILE = REPO / "profiles" / "debug_cpu.json"
