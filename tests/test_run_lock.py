@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import DEBUG_TOML, REPO, TINY, cpu_env
+from conftest import REPO, TINY, cpu_env, torchrun
 
 from sb_titan.util.run_lock import (
     DumpFolderLocked,
@@ -70,20 +70,11 @@ def test_a_run_on_a_held_folder_is_refused_before_spawning(tmp_path):
 
 @pytest.mark.torchrun
 def test_torchrun_ranks_on_a_held_folder_are_refused(tmp_path):
-    """Without run_train.sh (a bare torchrun, as TorchTitan's own launcher): rank 0
-    refuses before building anything, the other rank waits for the lock and is stopped
-    by torchrun; nothing is written to the folder."""
+    """Without run_train.sh (torchrun's agent and the trainer, as TorchTitan's own
+    launcher runs it): rank 0 refuses before building anything, the other rank waits for
+    the lock and is stopped by torchrun; nothing is written to the folder."""
     holder = _held_by_test(tmp_path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["-m", "sb_titan.tools.train", "--config_file", str(DEBUG_TOML)]
-    proc = subprocess.run(
-        [*cmd, "--dump_folder", str(tmp_path), *TINY, "--training.steps", "1"],
-        cwd=REPO,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = torchrun(2, ["--training.steps", "1"], tmp_path, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert out.count("sb_titan: refused:") == 1 and _refusal_line(tmp_path, holder) in out, out
