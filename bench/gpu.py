@@ -93,7 +93,7 @@ GRIDS = {
     },
     "dry": {
         "checks": [(256, F32), (256, BF16)],
-        "heads": [(7, 1, 64)],
+        "heads": [(2, 1, 64)],
         "blocks": [64],
         "lengths": [256],
         "densities": [1.0, 0.1],

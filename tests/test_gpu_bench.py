@@ -128,7 +128,7 @@ def test_dry_run_from_a_bare_checkout(isolated, capsys):
     assert gpu.main(["report", str(isolated["path"])]) == 0
     text = capsys.readouterr().out
     assert "torch's bundled flash (FA2-class, not FA3)" in text and "stopped: max_rows" in text
-    assert text.count("| 256 | (7, 1, 64) |") == MAX_ROWS - 1  # every row but (c)'s
+    assert text.count("| 256 | (2, 1, 64) |") == MAX_ROWS - 1  # every row but (c)'s
 
 
 def test_budget_stops_between_rows_and_keeps_them(tmp_path):
