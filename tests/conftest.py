@@ -481,19 +481,6 @@ def from_seed(seed_ckpt: Path, steps: int) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="session")
-def dp2_sab_dst(tmp_path_factory) -> Path:
-    """One run that two test files assert on (test_measurements.py,
-    test_train_torchrun.py; launched once in each worker that runs either): 2 FSDP
-    ranks, SAB + DST with the cost-model refit, 5 steps, and every all_gather_object
-    refused but the debug-only budget check (tests/fixtures/no_object_gather)."""
-    dump = tmp_path_factory.mktemp("dp2_sab_dst")
-    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
-    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
-    torchrun(2, args, dump, fixture="no_object_gather")
-    return dump
-
-
 # -- kernel tests' child processes (tests/test_kernels.py, tests/test_block_max_kernel.py)
 KERNEL_CHILD_TIMEOUT_S = 600
 

@@ -79,11 +79,41 @@ def test_single_process_loss_decreases(single):
     assert single[-1] < single[0] - 0.1, single
 
 
+@pytest.fixture(scope="module")
+def dp2_sab_dst(tmp_path_factory) -> Path:
+    """One run two tests assert on: 2 FSDP ranks, SAB + DST with the cost-model refit,
+    5 steps, and every all_gather_object refused but the debug-only budget check
+    (tests/fixtures/no_object_gather)."""
+    dump = tmp_path_factory.mktemp("dp2_sab_dst")
+    args = ["--sab.policy", "sab", "--dst.enabled", "--dst.verify_ranks", "--dataloader.sample_log"]
+    args += ["--cost_model.analytic_device", "cpu", "--training.steps", "5"]
+    torchrun(2, args, dump, fixture="no_object_gather")
+    return dump
+
+
 def test_fsdp_two_processes_loss_decreases(dp2_sab_dst):
     """Two FSDP ranks (the shared SAB + DST run; run_train.sh's default run in
     test_launch.py trains FSDP with the default recipe)."""
     loss = losses(dp2_sab_dst)
     assert len(loss) == 5 and loss[-1] < loss[0] - 0.1, loss
+
+
+def test_training_step_exchanges_no_pickled_objects(dp2_sab_dst):
+    """Two FSDP ranks, SAB + DST with the cost-model refit (the shared dp2_sab_dst):
+    all_gather_object raises in these processes except in the debug-only
+    budget check, so finishing proves the step path sends tensors only; the check
+    itself proves both ranks refit to the same budgets from the gathered tensors (at
+    plan_lag 2, steps 4 and 5 plan with the models refit after steps 2 and 3)."""
+    assert len(losses(dp2_sab_dst)) == 5
+    # Budgets were decided ahead, in each rank's loader thread, from the snapshot after
+    # step t - 2 (-1: the initial model); the refit moved the snapshots, and both ranks
+    # trained the same global budgets from the same snapshots.
+    a, b = sample_log(dp2_sab_dst, 0), sample_log(dp2_sab_dst, 1)
+    keys = ("plan_step", "step_budgets", "cost_model_snapshot")
+    assert [[e[k] for k in keys] for e in a] == [[e[k] for k in keys] for e in b]
+    by_step = {e["plan_step"]: e["cost_model_snapshot"] for e in a}
+    assert [by_step[p].split(":")[0] for p in range(5)] == ["-1", "-1", "0", "1", "2"]
+    assert len({by_step[p] for p in range(5)}) == 4, by_step
 
 
 PP_1F1B = [
