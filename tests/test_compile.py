@@ -2,7 +2,7 @@
 training matches eager training.
 
 Where Inductor runs. On this CPU it generates C++, not the Triton a GPU run gets, and a
-cold compile of the debug model costs about 130 CPU s per 2-rank run. What is ours
+cold compile of the debug model costs about 70 CPU s per 2-rank run. What is ours
 (the custom ops' schemas, fake tensors, autograd and in-place statistics) meets
 Inductor here, in process, under activation checkpointing; and whole-model training
 under Inductor is checked once, in its richest composition (context parallelism,

@@ -68,9 +68,9 @@ def test_cp2_compiled_tracks_eager(seed_ckpt, cp2_run, tmp_path):
     rows= trace into every block's graph (fullgraph), and train as eager does, with the
     same selection statistics. Selection is discrete at budget 0.5: a block whose
     estimated mass sits within float rounding of the cut could go either way, and would
-    move the loss by that rounding's order, far below 1e-5 (measured: losses and
-    gradient norms within 2.1e-7 relative, the same blocks kept); a wrong table, a
-    missed gradient or a double-counted layer would cost far more."""
+    move the loss by that rounding's order, far below 1e-5 (measured with vectorized
+    C++: losses and gradient norms within 2.1e-7 relative, the same blocks kept); a
+    wrong table, a missed gradient or a double-counted layer would cost far more."""
     args = [*from_seed(seed_ckpt, 3), *SPARSE, *CP2, "--compile.enable"]
     scalar = "scalar_cpu_codegen"  # a quarter less compile time (the fixture says why)
     proc = torchrun(2, [*args, "activation-checkpoint:full"], tmp_path, fixture=scalar)
