@@ -439,6 +439,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))
 
 
+@pytest.fixture
+def keep_torch_threads():
+    """For a test that runs a bench's `main` in this process (the bench sets torch's
+    threads for its timing or scoring): the worker gets its own count back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A randomly initialised debug model saved as a DCP step (the eval CLIs' input)."""

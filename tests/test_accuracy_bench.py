@@ -15,7 +15,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from conftest import REPO, cpu_env, forked_torchrun
 
 _spec = importlib.util.spec_from_file_location("accuracy_bench", REPO / "bench" / "accuracy.py")
@@ -60,7 +59,9 @@ def _must_not_train(*args) -> None:
 
 
 @pytest.mark.torchrun
-def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path, monkeypatch, capsys):
+def test_quick_study_fine_tunes_the_base_and_scores_it(
+    tmp_path, monkeypatch, capsys, keep_torch_threads
+):
     """With the shipped base: fine-tuning starts from it, so the result still recalls.
     The study runs in this process (its command line is the refusal test's below); each
     run is the bench's own launch, sb-launch with 2 ranks."""
@@ -68,11 +69,7 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(tmp_path, monkeypatch, ca
     out = tmp_path / "accuracy.json"
     argv = ["--quick", "--base", str(base), "--out", str(out), "--root", str(tmp_path / "runs")]
     monkeypatch.setattr(sys, "argv", ["bench/accuracy.py", *argv])
-    threads = torch.get_num_threads()
-    try:
-        bench.main()  # the study sets torch's threads for its scoring
-    finally:
-        torch.set_num_threads(threads)
+    bench.main()
     assert "[2/2]" in capsys.readouterr().out  # both variants trained
     result = json.loads(out.read_text())
     assert result["settings"]["base_sha256"] == bench.sha256(base / "model.safetensors")

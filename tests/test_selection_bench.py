@@ -10,14 +10,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from conftest import REPO, cpu_env
 
+_spec = importlib.util.spec_from_file_location("selection_bench", REPO / "bench" / "selection.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
 BASE = REPO / "bench" / "accuracy_base" / "model.safetensors"
 
 
 @pytest.mark.skipif(not BASE.exists(), reason="the accuracy base is not in this checkout")
-def test_selection_quick_measures_every_method_and_resumes(tmp_path):
+def test_selection_quick_measures_every_method_and_resumes(tmp_path, keep_torch_threads):
     out = tmp_path / "selection.jsonl"
     cmd = [sys.executable, "bench/selection.py", "--quick", "--out", str(out)]
     run = dict(cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=900)
@@ -39,12 +41,5 @@ def test_selection_quick_measures_every_method_and_resumes(tmp_path):
     assert dense["density"] == 1.0 and dense["true_recall"] is None  # nothing to sample
     assert {r["scorer"] for r in rows if r["input"] == "synthetic"} >= {"mean", "int4_max"}
     # a rerun skips every row already measured
-    spec = importlib.util.spec_from_file_location("selection", REPO / "bench" / "selection.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    threads = torch.get_num_threads()
-    try:
-        assert bench.main(["--quick", "--out", str(out)]) == 0  # it sets torch's threads
-    finally:
-        torch.set_num_threads(threads)
+    assert bench.main(["--quick", "--out", str(out)]) == 0
     assert out.read_text().count("\n") == len(rows)
