@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import DEBUG_TOML, REPO, cpu_env
+import torch
+from conftest import DEBUG_TOML, REPO, cpu_env, losses
 
 from sb_titan.config.toml import load_config
 from sb_titan.models.registry import derive_model_spec
@@ -31,14 +32,15 @@ def _qwen2_params(layers: int) -> int:
 def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
     """`torchtitan.train` with the recipe's registry and `--model.flavor debug4
     --sparse_attention.block_size 128`: the model built has debug4's 4 layers and
-    128-token attention blocks, and the cost model prices that model."""
+    128-token attention blocks, the cost model prices that model, and it trains. The
+    shims are installed by the registry, whatever TorchTitan imported first."""
     out = tmp_path / "built.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     cmd += [str(REPO / "tests" / "native_launch_probe.py")]
     cmd += ["--module", "sb_titan.models.qwen2_5", "--config", "sb_titan_debug"]
     cmd += ["--model.flavor", "debug4", "--sparse_attention.block_size", "128"]
     cmd += ["--cost_model.analytic_device", "cpu", "--training.seq_len", "512"]
-    cmd += ["--dump_folder", str(tmp_path / "dump")]
+    cmd += ["--training.steps", "2", "--dump_folder", str(tmp_path / "dump")]
     env = cpu_env(PROBE_OUT=str(out), PYTHONPATH=str(REPO))
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,6 +59,10 @@ def test_torchtitan_launcher_builds_and_prices_the_overridden_model(tmp_path):
     }
     assert built["priced_block_size"] == 128
     assert not built["spec_left_on_config"]  # derived state stays with the trainer
+    # the build installed the CPU shim (compat/device.py) in TorchTitan's own launcher;
+    # importing sb_titan alone leaves "cuda" (test_launch.py)
+    assert built["device_type"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert len(losses(tmp_path / "dump")) == 2
 
 
 def test_a_spec_set_on_the_config_is_refused():
