@@ -112,23 +112,9 @@ def test_cli_reports_one_clear_line_and_exit_code_2(tmp_path):
     assert f"{path}: unknown key 'training.stepz'" in proc.stderr
 
 
-def test_run_train_sh_rejects_bad_config_before_launch(tmp_path):
-    proc = subprocess.run(
-        ["./run_train.sh"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=cpu_env(CONFIG_FILE=str(tmp_path / "missing.toml")),
-    )
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr and "torchrun" not in proc.stderr
-    assert "config file not found" in proc.stderr
-
-
 def test_a_run_that_trains_nothing_is_refused_before_launch(tmp_path, capsys):
     """steps <= 0 spawned every rank, trained nothing and exited 0. The launcher's check
-    refuses it (run_train.sh's refusal path is the test above)."""
+    refuses it (run_train.sh's refusal path: test_preflight.py's cluster-config launch)."""
     for steps in ("0", "-3"):
         line = prelaunch_refused(capsys, tmp_path, "--training.steps", steps)
         assert f"'training.steps' = {steps}, expected >= 1" in line

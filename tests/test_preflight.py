@@ -247,6 +247,8 @@ def test_shipped_cluster_configs_ask_for_a_profile(capsys, tmp_path, name):
 
 
 def test_run_train_sh_stops_a_cluster_config_before_spawning(tmp_path):
+    """run_train.sh's refusal path, whatever the check that refuses (each is tested in
+    process above): one line, exit 2, no rank started and no folder made."""
     config = REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
     proc = subprocess.run(
         ["./run_train.sh", "--dump_folder", str(tmp_path / "out")],
