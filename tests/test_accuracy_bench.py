@@ -63,8 +63,16 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(
     tmp_path, monkeypatch, capsys, keep_torch_threads
 ):
     """With the shipped base: fine-tuning starts from it, so the result still recalls.
-    The study runs in this process (its command line is the refusal test's below); each
-    run is the bench's own launch, sb-launch with 2 ranks."""
+    The study runs in this process (its command line is the refusal test's below). The
+    dense run is the bench's own launch, sb-launch with 2 ranks; the sparse run's 2 ranks
+    fork from this process's server (what a launch costs is its server's imports)."""
+    bench_launch = bench.torchrun
+
+    def launch(config, dump, args, log) -> None:
+        own = dump.parent.name == "dense"
+        (bench_launch if own else _forked_bench_run)(config, dump, args, log)
+
+    monkeypatch.setattr(bench, "torchrun", launch)
     base = bench.BASE
     out = tmp_path / "accuracy.json"
     argv = ["--quick", "--base", str(base), "--out", str(out), "--root", str(tmp_path / "runs")]
@@ -96,7 +104,7 @@ def test_quick_study_fine_tunes_the_base_and_scores_it(
 def _forked_bench_run(config, dump, args: list[str], log) -> None:
     """bench.torchrun's run (2 ranks, its log appended to `log`), the ranks forked from
     the test process's preloaded server (conftest.forked_torchrun): the pretraining
-    schedule is under test here; the quick study runs the bench's own launcher."""
+    schedule is under test here; the quick study's dense run is the bench's own launch."""
     argv = ["--config_file", str(config), "--dump_folder", str(dump), *args]
     proc = forked_torchrun(2, argv, timeout=600)
     with open(log, "a") as f:
