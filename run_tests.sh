@@ -9,8 +9,8 @@ sb_ensure_venv
 # module stays on one worker (loadfile), so its module-scoped runs launch once; the
 # slowest modules go first (tests/conftest.py, kept in order by --no-loadscope-reorder).
 # Every process the suite starts writes bytecode for what it imports, once, even where
-# PYTHONDONTWRITEBYTECODE is set: set-up compiled only training's imports (scripts/venv.sh),
-# and hundreds of test processes would otherwise each compile the rest from source.
+# PYTHONDONTWRITEBYTECODE is set: set-up (scripts/venv.sh) skips pip's compile step, and
+# hundreds of test processes would otherwise each compile from source.
 export PYTHONDONTWRITEBYTECODE=
 workers="${SB_TEST_WORKERS:-2}"
 if [ "$workers" = 0 ]; then

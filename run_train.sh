@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/venv.sh
 sb_ensure_venv
+sb_warm_bytecode
 
 CONFIG_FILE="${CONFIG_FILE:-train_configs/debug_cpu.toml}"
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

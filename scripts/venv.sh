@@ -15,7 +15,8 @@ sb_ensure_venv() {
   [ -x "$root/.venv/bin/python" ] || "$py" -m venv "$root/.venv"
   # --no-compile: pip would compile every installed file to bytecode (~15,000 files,
   # ~90 CPU s on a 2-core machine; transformers, sympy and pandas are half of it), while
-  # the recipe imports ~2,100 of them. Those are compiled below, by importing them once.
+  # the recipe imports ~2,100 of them. Those are compiled as they are first imported
+  # (sb_warm_bytecode below).
   local pip=("$root/.venv/bin/python" -m pip install --disable-pip-version-check -q --no-compile)
   local torch_spec="${SB_TORCH_SPEC:-}"
   if [ -z "$torch_spec" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -25,9 +26,21 @@ sb_ensure_venv() {
     "${pip[@]}" "$torch_spec"
   fi
   "${pip[@]}" -e "$root[test,eval]"
-  # The bytecode pip skipped, for what training imports (written even where
-  # PYTHONDONTWRITEBYTECODE is set, as pip's own compile step would be).
+  rm -f "$root/.venv/.sb_titan_bytecode"
+  echo "$stamp" > "$marker"
+}
+
+# The bytecode pip skipped, for what training imports. A process writes the bytecode of
+# what it imports, so the first run compiles it, unless PYTHONDONTWRITEBYTECODE is set:
+# then every process of every run would compile it again (~20 CPU s each), and it is
+# written here once, by importing it. (run_tests.sh lets the suite's processes write it.)
+sb_warm_bytecode() {
+  local root done
+  [ -n "${PYTHONDONTWRITEBYTECODE:-}" ] || return 0
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  done="$root/.venv/.sb_titan_bytecode"
+  [ -f "$done" ] && return 0
   PYTHONDONTWRITEBYTECODE='' "$root/.venv/bin/python" -c \
     "import sb_titan.config.defaults, sb_titan.runtime.trainer, sb_titan.tools.launch"
-  echo "$stamp" > "$marker"
+  touch "$done"
 }
