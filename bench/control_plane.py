@@ -16,8 +16,8 @@ planning thread (`publish_s`, a deep copy of the model) and the exchange. The ta
 anchor: DST <= 1% of the step, or fully overlapped.
 The measurement exchange (encode, one all-gather of the fixed-size float64 buffer,
 decode: `sb_titan.runtime.measurements`) is timed on 2 and 4 real gloo ranks under
-torchrun (`exchange`, bench/measurement_exchange.py); its cost grows with the world size, which a CPU host cannot
-reach, so it is reported beside the table, not per scale.
+torchrun (`exchange`, bench/measurement_exchange.py); its cost grows with the world
+size, which a CPU host cannot reach, so it is reported beside the table, not per scale.
 
 Timings are medians over `--repeats` calls on this CPU (planning: steps after the
 first, whose piece-cost cache is cold). Writes bench/results/control_plane.json.
