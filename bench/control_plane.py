@@ -16,8 +16,8 @@ planning thread (`publish_s`, a deep copy of the model) and the exchange. The ta
 anchor: DST <= 1% of the step, or fully overlapped.
 The measurement exchange (encode, one all-gather of the fixed-size float64 buffer,
 decode: `sb_titan.runtime.measurements`) is timed on 2 and 4 real gloo ranks under
-torchrun (`exchange`); its cost grows with the world size, which a CPU host cannot
-reach, so it is reported beside the table, not per scale.
+torchrun (`exchange`, bench/measurement_exchange.py); its cost grows with the world
+size, which a CPU host cannot reach, so it is reported beside the table, not per scale.
 
 Timings are medians over `--repeats` calls on this CPU (planning: steps after the
 first, whose piece-cost cache is cold). Writes bench/results/control_plane.json.
@@ -32,10 +32,11 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from measurement_exchange import measure_exchange
 
 from sb_titan.balance.balancer import ScheduledStep, step_budgets, step_units
 from sb_titan.balance.cost_model import LatencyObservation
@@ -132,56 +133,6 @@ def measure(units: int, repeats: int, seed: int = 0) -> dict:
     }
 
 
-def _exchange_worker(microbatches: int, repeats: int) -> None:
-    """One torchrun rank: time encode + all_gather_flat + decode of a step's measurements
-    (`microbatches` timed, with stats); rank 0 prints the median seconds as JSON."""
-    import random
-
-    import torch.distributed as dist
-
-    from sb_titan.runtime.measurements import (
-        all_gather_flat,
-        decode_measurements,
-        encode_measurements,
-    )
-
-    dist.init_process_group("gloo")
-    rng = random.Random(dist.get_rank())
-    local = {
-        "dp": dist.get_rank(),
-        "pp": 0,
-        "seconds": {mb: rng.random() for mb in range(microbatches)},
-        # STATS_FIELDS: density, rows, recall and tokens, then the sampled true recall,
-        # top-key hits and samples
-        "stats": {
-            mb: [rng.random(), 1.0, rng.random(), 64.0, rng.random(), 1.0, 4.0]
-            for mb in range(microbatches)
-        },
-        "step_seconds": 1.0,
-    }
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        decode_measurements(all_gather_flat(encode_measurements(local, microbatches)), microbatches)
-        times.append(time.perf_counter() - t0)
-    if dist.get_rank() == 0:
-        print(json.dumps({"median_s": statistics.median(times), "repeats": repeats}))
-    dist.destroy_process_group()
-
-
-def measure_exchange(ranks: int, repeats: int = 200) -> dict:
-    """The exchange on `ranks` real gloo processes (torchrun, one host)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc_per_node={ranks}", __file__, "--exchange-worker", "--repeats", str(repeats)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exchange on {ranks} ranks failed:\n{proc.stderr[-2000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {"ranks": ranks, "microbatches": MICROBATCHES, **result}
-
-
 def table(rows: list[dict]) -> str:
     head = "| units | GPUs | step s (mean) | SAB plan ms | " + " | ".join(
         f"DST {a} ms" for a in ANCHORS
@@ -207,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(OUT), help="JSON path ('' for none)")
     ap.add_argument("--exchange-ranks", default="2,4", help="gloo ranks ('' to skip)")
-    ap.add_argument("--exchange-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.exchange_worker:
-        _exchange_worker(MICROBATCHES, args.repeats)
-        return 0
     try:
         scales = [int(u) for u in args.units.split(",")]
     except ValueError:
@@ -224,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[control_plane] {units} units done", file=sys.stderr)
     print(table(rows))
     ranks = [int(r) for r in args.exchange_ranks.split(",") if r]
-    exchange = [measure_exchange(r) for r in ranks]
+    exchange = [measure_exchange(r, MICROBATCHES) for r in ranks]
     for e in exchange:
         print(f"measurement exchange, {e['ranks']} gloo ranks: {e['median_s'] * 1e3:.3f} ms")
     if args.out:

@@ -57,7 +57,7 @@ def value_token_accuracy(model, docs, rows: int = 16) -> tuple[list[float], floa
     return (hits / np.maximum(seen, 1)).tolist(), float(np.mean(exact)) if exact else float("nan")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--flavor", default="debug4")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default=None, help="name of the run in the JSON")
     parser.add_argument("--out", default=str(OUT))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
 

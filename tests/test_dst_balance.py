@@ -22,7 +22,10 @@ pytestmark = pytest.mark.torchrun
 _spec = importlib.util.spec_from_file_location("dst_balance", REPO / "bench" / "dst_balance.py")
 scenario = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scenario)
-STEPS = 6
+# The fewest steps these checks need: step 1 is warm-up (left out of the recall, and its
+# times are not fitted), and the last step, whose budgets are asserted, is planned with
+# the cost model as refit on step 2's measured times (cost_model.plan_lag = 2).
+STEPS = 4
 BLOCK = 64
 
 

@@ -1,16 +1,14 @@
 """bench/recall_pilot.py: its batched value-token scoring agrees with the study's own
-held-out scorer, and a short run writes its curve."""
+held-out scorer, and a short run (its `main`, in this process) writes its curve."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import numpy as np
 import torch
-from conftest import REPO, cpu_env
+from conftest import REPO
 
 from sb_titan.data.synthetic import SyntheticCorpus
 from sb_titan.eval.heldout import score_heldout
@@ -51,13 +49,11 @@ def test_batched_scoring_matches_the_heldout_scorer():
     assert acc == [np.mean([ok for ok, n in right if n > j]) for j in range(3)]
 
 
-def test_a_short_pilot_writes_its_curve(tmp_path):
+def test_a_short_pilot_writes_its_curve(tmp_path, capsys, keep_torch_threads):
     out = tmp_path / "pilot.json"
-    cmd = [sys.executable, str(REPO / "bench" / "recall_pilot.py"), "--steps", "2",
-           "--eval-every", "1", "--rows", "2", "--heldout", "4", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, env=cpu_env(), capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "value tokens 1/2/3" in run.stdout
+    pilot.main(["--steps", "2", "--eval-every", "1", "--rows", "2", "--heldout", "4",
+                "--out", str(out)])  # fmt: skip
+    assert "value tokens 1/2/3" in capsys.readouterr().out
     (tag, result), *_ = json.loads(out.read_text()).items()
     assert tag == "debug4_L128_f32_r4" and [c["step"] for c in result["curve"]] == [1, 2]
     assert all(0 <= a <= 1 for c in result["curve"] for a in [*c["value_token_acc"], c["em"]])

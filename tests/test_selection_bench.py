@@ -1,16 +1,14 @@
 """bench/selection.py --quick: every estimator family and policy through the whole
-accuracy base at one density, rows appended as measured and a rerun resuming (the
-command, then its `main` in this process: a resume that measures nothing)."""
+accuracy base at one density, rows appended as measured and a rerun resuming (both
+runs the bench's `main` in this process: its import is this module's)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO, cpu_env
+from conftest import REPO
 
 _spec = importlib.util.spec_from_file_location("selection_bench", REPO / "bench" / "selection.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -21,10 +19,7 @@ BASE = REPO / "bench" / "accuracy_base" / "model.safetensors"
 @pytest.mark.skipif(not BASE.exists(), reason="the accuracy base is not in this checkout")
 def test_selection_quick_measures_every_method_and_resumes(tmp_path, keep_torch_threads):
     out = tmp_path / "selection.jsonl"
-    cmd = [sys.executable, "bench/selection.py", "--quick", "--out", str(out)]
-    run = dict(cwd=REPO, env=cpu_env(), capture_output=True, text=True, timeout=900)
-    proc = subprocess.run(cmd, **run)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert bench.main(["--quick", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     base = {(r["scorer"], r["policy"]): r for r in rows if r["input"] == "base"}
     methods = {(s, "topk") for s in ("mean", "int4_max", "kmax", "pool8_max", "exact", "exact_max")}
