@@ -4,11 +4,11 @@ For the Qwen2.5 cluster configs (64K, 128K): forward + backward of a slice (embe
 dense layer 0, one sparse layer, final norm + head + the config's loss) at its seq_len L
 and at L/2, both with the RoPE table of L positions the trainer builds (at L/2, a table
 twice the row). No tensor may have two dims >= L/4 (a token x token tensor, or full-row
-logits), and the activation peak must scale as L. The
-attention entry points are memory-faithful fakes (bench/memory.py says why); the
-negative controls show the check catches an L x L dense mask and an unchunked loss. A
-CP = 2 rank keeps half a block's activations. Every shipped config fits its target GPU.
-Block tables are measured on real selections.
+logits), and the activation peak must scale as L. The attention entry points are
+memory-faithful fakes (bench/memory.py says why); the negative controls show the check
+catches an L x L dense mask and an unchunked loss. A CP = 2 rank keeps half a block's
+activations. Every shipped config fits its target GPU (its trace at L is the linearity
+test's, memoized). Block tables are measured on real selections.
 """
 
 from __future__ import annotations
