@@ -1,20 +1,20 @@
-"""bench/attention.py's Flex peer: it runs (--dry-run, tiny shapes) and computes the same
-attention as sb_titan's block-sparse path on the same table. No timing is asserted."""
+"""bench/attention.py's Flex peer: it runs (--dry-run, tiny shapes; its `main` in this
+process) and computes the same attention as sb_titan's block-sparse path on the same
+table. No timing is asserted."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import REPO, cpu_env
+from conftest import REPO
 from test_sparse_attention import make_doc_id, make_qkv, random_table, reference_attention
 
 from sb_titan.attention.block_sparse import block_sparse_forward
-from sb_titan.attention.flex import block_mask
+from sb_titan.attention.flex import block_mask, compiled_flex_attention
 
 if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 6):
     pytest.skip("FlexAttention on CPU needs torch >= 2.6", allow_module_level=True)
@@ -25,18 +25,14 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
-def test_dry_run_reports_flex_beside_dense_and_ours(tmp_path):
+def test_dry_run_reports_flex_beside_dense_and_ours(
+    tmp_path, monkeypatch, capsys, keep_torch_threads
+):
     out = tmp_path / "attention.json"
     args = ["--dry-run", "--threads", "1", "--blocks", "64", "--out", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "bench/attention.py", *args],
-        cwd=REPO,
-        env=cpu_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    monkeypatch.setattr(sys, "argv", ["bench/attention.py", *args])
+    bench.main()
+    stdout = capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]
     by_impl = {r["impl"]: r for r in rows}
     assert set(by_impl) == {"dense_sdpa", "block_sparse_cpu", "flex_cpu"}
@@ -46,7 +42,7 @@ def test_dry_run_reports_flex_beside_dense_and_ours(tmp_path):
     assert flex["fwd_s"] > 0 and "fwd_bwd_s" not in flex  # Flex has no CPU backward
     assert ours["fwd_s"] > 0 and ours["fwd_bwd_s"] > 0 and ours["fwd_speedup_vs_flex"] > 0
     assert (flex["block"], flex["density"]) == (ours["block"], ours["density"])
-    assert "flex_cpu" in proc.stdout and "max|flex-ours|" in proc.stdout
+    assert "flex_cpu" in stdout and "max|flex-ours|" in stdout
 
 
 def test_flex_block_mask_is_the_table_with_documents():
@@ -68,8 +64,8 @@ def test_flex_block_mask_is_the_table_with_documents():
     assert torch.equal(
         mask.kv_num_blocks + mask.full_kv_num_blocks, table.kv_count.repeat_interleave(7, 1)
     )
-    flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, dynamic=False)
-    got = flex(q, k, v, block_mask=mask, scale=0.125, enable_gqa=True)
+    # the bench's compiled Flex: the dry run above compiled it for these shapes
+    got = compiled_flex_attention(64, "cpu")(q, k, v, block_mask=mask, scale=0.125, enable_gqa=True)
     ref = reference_attention(q, k, v, doc_id, table, scale=0.125)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
     ours, _ = block_sparse_forward(q, k, v, doc_id, table, 0.125)

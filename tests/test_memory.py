@@ -2,12 +2,13 @@
 
 For the Qwen2.5 cluster configs (64K, 128K): forward + backward of a slice (embedding,
 dense layer 0, one sparse layer, final norm + head + the config's loss) at its seq_len L
-and at L/2, with RoPE tables of 2L positions. No tensor may have two dims >= L/4 (a
-token x token tensor, or full-row logits), and the activation peak must scale as L. The
-attention entry points are memory-faithful fakes (bench/memory.py says why); the
-negative controls show the check catches an L x L dense mask and an unchunked loss. A
-CP = 2 rank keeps half a block's activations. Every shipped config fits its target GPU.
-Block tables are measured on real selections.
+and at L/2, both with the RoPE table of L positions the trainer builds (at L/2, a table
+twice the row). No tensor may have two dims >= L/4 (a token x token tensor, or full-row
+logits), and the activation peak must scale as L. The attention entry points are
+memory-faithful fakes (bench/memory.py says why); the negative controls show the check
+catches an L x L dense mask and an unchunked loss. A CP = 2 rank keeps half a block's
+activations. Every shipped config fits its target GPU (its trace at L is the linearity
+test's, memoized). Block tables are measured on real selections.
 """
 
 from __future__ import annotations
@@ -42,23 +43,40 @@ def _config(name: str):
     return load_config(REPO / "train_configs" / f"{name}.toml")
 
 
+@pytest.fixture(scope="module")
+def slices():
+    """memory.trace_slice, memoized per (config, length, RoPE length, options): a config's
+    trace at its own length is both a linearity trace and the fit test's."""
+    cache, trace_slice = {}, memory.trace_slice  # the fit test patches memory.trace_slice
+
+    def trace(config, seq_len=None, rope_len=None, **options):
+        n = seq_len or config.training.seq_len
+        key = (repr(config), n, rope_len or n, tuple(sorted(options.items())))
+        if key not in cache:
+            cache[key] = trace_slice(config, n, rope_len or n, **options)
+        return cache[key]
+
+    return trace
+
+
 @pytest.fixture(scope="module", params=LINEARITY)
-def traces(request):
+def traces(request, slices):
     config = _config(request.param)
     L = config.training.seq_len
     dims = derive_model_spec(config).model
     # the shape check below needs L/4 (at L/2) above every model width but the vocabulary
     assert L // 8 > max(dims.dim, dims.layers[0].feed_forward.w1.out_features)
-    return config, {n: memory.trace_slice(config, seq_len=n, rope_len=2 * n) for n in (L, L // 2)}
+    return config, {n: slices(config, seq_len=n, rope_len=L) for n in (L, L // 2)}
 
 
 def test_no_token_by_token_tensor(traces):
     config, by_len = traces
+    L = config.training.seq_len
     for n, trace in by_len.items():
         assert trace.calls.sparse >= 1 and trace.calls.dense >= 1  # the fakes ran
         assert trace.token_square_shapes(n // 4) == [], n
         rope = derive_model_spec(config).model.layers[0].attention.rope
-        assert ((2 * n, 2 * rope.dim), torch.float32) in trace.shapes  # 2L RoPE table seen
+        assert ((L, 2 * rope.dim), torch.float32) in trace.shapes  # at L/2: 2n positions
 
 
 def test_activation_memory_is_linear_in_length(traces):
@@ -79,22 +97,25 @@ def _masked_sdpa(q, k, v, doc_id, scale=None):
 
 def test_shape_check_catches_the_dense_mask_and_the_unchunked_loss(monkeypatch):
     """Negative controls at 32K (0.5B): the old dense path (an L x L mask) and TorchTitan's
-    plain cross-entropy ([B, L, V] fp32 logits) both fail the check above."""
+    plain cross-entropy ([B, L, V] fp32 logits) both fail the check above. One trace runs
+    both (each assertion names its own tensor)."""
     config = _config("qwen2.5_0.5b_64k")
     n = 32768
     monkeypatch.setattr(memory.sb_attention, "dense_document_attention", _masked_sdpa)
-    trace = memory.trace_slice(config, seq_len=n, fake_dense=False)
-    assert ((1, 1, n, n), "torch.bool") in trace.token_square_shapes(n // 4)
     config.loss = CrossEntropyLoss.Config()
-    trace = memory.trace_slice(config, seq_len=n)
-    assert ((n, 151936), "torch.float32") in trace.token_square_shapes(n // 4)
+    trace = memory.trace_slice(config, seq_len=n, fake_dense=False)
+    square = trace.token_square_shapes(n // 4)
+    assert ((1, 1, n, n), "torch.bool") in square
+    assert ((n, 151936), "torch.float32") in square
 
 
 def test_a_cp_rank_keeps_its_share_and_gathers_the_row():
     """Context parallelism (0.5B, L = 8K): a CP = 2 rank runs L/2 tokens, so each block
     keeps half the activations (full AC: its input); its attention gathers the row's
     K/V and builds row-sized query and output inside the op (context_parallel/
-    attention.py); and the fp32 state shards over DP x CP, TorchTitan's FSDP mesh."""
+    attention.py); and the fp32 state shards over DP x CP, TorchTitan's FSDP mesh. The
+    blocks are what is read here, so both traces take the plain loss (one chunk, where
+    the config's loss would trace 32)."""
     n, path = 8192, REPO / "train_configs" / "qwen2.5_0.5b_64k.toml"
     cp = [
         "--parallelism.context_parallel_degree",
@@ -103,6 +124,7 @@ def test_a_cp_rank_keeps_its_share_and_gathers_the_row():
         "2",
     ]
     one, two = load_config(path), load_config(path, cp)
+    one.loss = two.loss = CrossEntropyLoss.Config()
     t1, t2 = (memory.trace_slice(c, seq_len=n) for c in (one, two))
     for kind in ("dense", "sparse"):
         assert 2 * t2.layers[kind].saved == t1.layers[kind].saved, kind
@@ -159,7 +181,8 @@ def test_fake_tables_match_real_selection_on_one_document():
             assert tuple(getattr(table, name).shape) == shape, (beta, name)
 
 
-def test_shipped_configs_fit_their_target_gpu(tmp_path):
+def test_shipped_configs_fit_their_target_gpu(tmp_path, slices, monkeypatch):
+    monkeypatch.setattr(memory, "trace_slice", slices)  # the linearity traces at L reused
     rows = memory.main(["--out", str(tmp_path / "memory.json"), "--no-plain-loss"])
     by_name = {row["config"]: row for row in rows}
     for name in CLUSTER:
