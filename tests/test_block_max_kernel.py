@@ -42,8 +42,9 @@ CASES: dict[str, Case] = {
     "gqa2-bs128-bf16": Case([[90, 30, 80], [150, 50]], 4, 2, 64, 128, ((0, 2),), "bfloat16"),
     "mha-bs64-one-doc": Case([[200]], 2, 2, 64, 64, ((0, 4),)),
 }
-# selection end to end: NB = 10, so that ranking (not the forced blocks) decides
-SELECTION = Case([[500, 140], [640]], 7, 1, 64, 64, ())
+# selection end to end: NB = 10, so that ranking (not the forced blocks) decides; GQA 2:1
+# (the kernel's 7:1 is checked bitwise above)
+SELECTION = Case([[500, 140], [640]], 2, 1, 64, 64, ())
 # CUDA only: long rows, every shipped (D, Bs), Qwen2.5-7B's GQA 7:1
 GPU_CASES: dict[str, Case] = {
     f"gpu-d{d}-bs{bs}-gqa7-4k": Case([[1000, 50, 3046], [4096]], 28, 4, d, bs, ((0, 4096 // bs),))

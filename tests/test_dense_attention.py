@@ -130,16 +130,18 @@ def test_flex_block_mask_is_the_table():
 
 def test_triton_path_in_interpreter():
     """The Triton kernels on the full table, fwd + bwd, under TRITON_INTERPRET=1 (a
-    child process: the interpreter is chosen when Triton is first imported)."""
+    child process: the interpreter is chosen when Triton is first imported). L = 200 at
+    the Triton path's Bs = 128: a partial last block whose first document starts in
+    block 0 (sink 0), GQA 2:1."""
     code = f"""
 import importlib.util, json, sys, torch
 sys.path[:0] = {[str(REPO), str(REPO / ".shim")]!r}
 spec = importlib.util.spec_from_file_location("dense_test", {__file__!r})
 t = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(t)
-doc_id = t.make_doc_id([[100, 200, 30], [330]])
-q, k, v = t.inputs(2, 4, 2, 330, 64, torch.float32)
-grad = torch.randn(2, 4, 330, 64)
+doc_id = t.make_doc_id([[100, 70, 30], [200]])
+q, k, v = t.inputs(2, 4, 2, 200, 64, torch.float32)
+grad = torch.randn(2, 4, 200, 64)
 want = t.reference_and_grads(q, k, v, grad, doc_id)
 triton = lambda *x: t.dense_document_attention(*x, doc_id, kernel="triton")
 got = t.out_and_grads(triton, q, k, v, grad)
