@@ -3,9 +3,10 @@
 The kernel takes the integer dot in int32 and the two scale products in the reference's
 order, so the two are bitwise equal: compared as int32 bit patterns, not within a
 tolerance. As in tests/test_kernels.py (see its docstring for why), the kernel runs in
-child processes started together: one under TRITON_INTERPRET=1, one compiling the
-shipped configs ahead of time for sm_80 and sm_90a; a third, on CUDA only, runs larger
-shapes with the compiled kernel. Each child prints one JSON document.
+child processes started together: one under TRITON_INTERPRET=1, one compiling one
+shipped config ahead of time for sm_80 and sm_90a (each committed report holds them
+all); a third, on CUDA only, runs larger shapes with the compiled kernel. Each child
+prints one JSON document.
 """
 
 from __future__ import annotations
@@ -134,21 +135,30 @@ def _child_gpu() -> dict:
     return {name: _score_case(name, case, "cuda") for name, case in cases.items()}
 
 
+ARCHS = ("sm_80", "sm_90a")
 # an int8 x int8 -> int32 tensor-core instruction: mma.sync ... .s32.s8.s8.s32 (sm_80),
 # wgmma.mma_async ... .s32.s8.s8 (sm_90a)
 _S8_MMA = re.compile(r"\b(?:mma|wgmma\.mma_async)\.sync\.aligned\.m\d+n\d+k32\S*\.s32\.s8\.s8")
 
 
+#: (head_dim, block size) compiled live on each arch: the widest tile (the most registers).
+#: A kernel change shows in every config, so one per arch (each its own MMA) finds a
+#: stale report; every committed report's rows of all shipped configs keep the rules
+#: (test_committed_reports_keep_the_rules).
+LIVE_AOT = (128, 128)
+
+
 def _child_aot() -> dict:
+    import triton
     from sb_titan_kernels import aot
 
-    specs = list(aot.block_max_specs())
+    specs = [s for s in aot.block_max_specs() if (s.head_dim, s.block_size) == LIVE_AOT]
     rows = []
     for spec, arch in ((s, a) for s in specs for a in aot.ARCHS):
         row = aot.full_report((arch,), spills=False, specs=[spec])[0].as_dict()
         ptx = aot.compile_spec(spec, arch).asm["ptx"]  # from Triton's cache
         rows.append({**row, "s8_mma": len(_S8_MMA.findall(ptx))})
-    return {"cuobjdump": aot.cuobjdump_path(), "rows": rows}
+    return {"cuobjdump": aot.cuobjdump_path(), "triton": triton.__version__, "rows": rows}
 
 
 # ------------------------------------------------------------------ parent side
@@ -210,19 +220,75 @@ def test_selection_with_the_kernel_keeps_the_same_blocks(interp: dict) -> None:
         assert sel["forced"] < r["kept"] < sel["allowed"], (policy, r, sel)
 
 
-def test_aot_shipped_configs(aot_rows: dict) -> None:
-    rows = aot_rows["rows"]
-    assert aot_rows["cuobjdump"], "no cuobjdump: only shared memory could be checked"
-    assert len(rows) == 2 * 2 * 2  # head_dim x block x arch
+def _rule_breaks(rows: list[dict]) -> list[str]:
+    """What a compiled block-max config must not do: spill, exceed the arch's shared
+    memory or 255 registers, repeat its int8 MMA pass across warps (mma_ratio 1: one
+    pass per head and sub-tile), fail; nor may a report hold a tile the table no longer
+    has."""
+    from sb_titan_kernels.block_max import BLOCK_MAX_CONFIGS
+
+    bad = []
     for r in rows:
         label = f"D={r['head_dim']} Bs={r['block_size']} {r['arch']}"
-        assert r["local"] == 0 and r["stack"] == 0, f"{label}: spills"
-        assert r["shared"] <= r["shared_limit"], label
-        assert 0 < r["regs"] <= 255, label
-        # one int8 MMA pass per head and sub-tile, none repeated across warps
-        assert r["mma_ratio"] == 1.0, f"{label}: mma_ratio {r['mma_ratio']}"
-        assert r["s8_mma"] > 0, f"{label}: no int8 tensor-core instruction in the PTX"
-        assert r["ok"], label
+        tile = (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"])
+        checks = {
+            "spills": r["local"] == 0 and r["stack"] == 0,
+            "shared memory over the limit": r["shared"] <= r["shared_limit"],
+            f"{r['regs']} registers": 0 < r["regs"] <= 255,
+            f"mma_ratio {r['mma_ratio']}": r["mma_ratio"] == 1.0,
+            "not ok": r["ok"],
+            f"tile {tile}, the table has another": tile
+            == tuple(BLOCK_MAX_CONFIGS[(r["head_dim"], r["block_size"])]),
+        }
+        bad += [f"{label}: {what}" for what, ok in checks.items() if not ok]
+    return bad
+
+
+def _committed_rows(path: Path) -> list[dict]:
+    return [r for r in json.loads(path.read_text())["rows"] if r["kernel"] == "block_max"]
+
+
+REPORTS = sorted((ROOT / "bench" / "results").glob("kernels_report*.json"))
+_COMPILED = ("block_m", "block_n", "num_warps", "num_stages", "regs", "shared", "local")
+_COMPILED += ("stack", "mma_count", "mma_instr", "ok")
+
+
+def test_aot_compiles_as_the_committed_report_says(aot_rows: dict) -> None:
+    """The live compile (LIVE_AOT on each arch) keeps every rule, issues an int8
+    tensor-core MMA, and with the Triton a committed report was made with reproduces
+    that report's rows: kernel code changed since the report shows here."""
+    rows = aot_rows["rows"]
+    assert aot_rows["cuobjdump"], "no cuobjdump: only shared memory could be checked"
+    assert sorted(r["arch"] for r in rows) == sorted(ARCHS)
+    assert {(r["head_dim"], r["block_size"]) for r in rows} == {LIVE_AOT}
+    assert not _rule_breaks(rows), _rule_breaks(rows)
+    for r in rows:
+        assert r["s8_mma"] > 0, f"{r['arch']}: no int8 tensor-core instruction in the PTX"
+    made_with = {p: json.loads(p.read_text())["setup"]["triton"] for p in REPORTS}
+    same_triton = [p for p, version in made_with.items() if version == aot_rows["triton"]]
+    if not same_triton:
+        pytest.skip(f"no committed report was made with Triton {aot_rows['triton']}")
+    committed = {r["arch"]: r for r in _committed_rows(same_triton[0])
+                 if (r["head_dim"], r["block_size"]) == LIVE_AOT}  # fmt: skip
+    changed = [
+        f"{r['arch']} {k}: {committed[r['arch']].get(k)} in {same_triton[0].name}, {r[k]} now"
+        for r in rows
+        for k in _COMPILED
+        if committed[r["arch"]].get(k) != r[k]
+    ]
+    assert not changed, changed
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
+def test_committed_reports_keep_the_rules(path: Path) -> None:
+    """Every committed kernel report holds the block-max kernel at every shipped
+    (D, Bs) and arch, with the table's tile and within every rule."""
+    from sb_titan_kernels.block_max import BLOCK_MAX_CONFIGS
+
+    rows = _committed_rows(path)
+    got = sorted((r["head_dim"], r["block_size"], r["arch"]) for r in rows)
+    assert got == sorted((d, bs, arch) for d, bs in BLOCK_MAX_CONFIGS for arch in ARCHS)
+    assert not _rule_breaks(rows), _rule_breaks(rows)
 
 
 @pytest.mark.parametrize("name", [*CASES, *GPU_CASES])
