@@ -118,6 +118,16 @@ GPU_CASES: dict[str, AttnCase] = {
     for d in (64, 128)
     for bs in (64, 128)
 }
+# Small cases on CUDA only: the interpreter cases above run their code paths, but
+# compiled kernels differ per dtype and shape (fp32 at D=128, Bs=128; GQA 7:1 there)
+GPU_CASES |= {
+    "bf16-d64-bs64-gqa2-random": AttnCase("bfloat16", 64, 64, 4, 2, "random"),
+    "bf16-d128-bs64-mha-random": AttnCase("bfloat16", 128, 64, 2, 2, "random"),
+    "fp32-d64-bs64-gqa7-full-short": AttnCase("float32", 64, 64, 7, 1, "full", docs="short"),
+    "fp32-d128-bs128-gqa3-random-short": AttnCase(
+        "float32", 128, 128, 6, 2, "random", docs="short"
+    ),
+}
 
 # relative tolerance on max|err| / max|ref|: fp32 is exact up to summation order,
 # half types round P and the outputs (bf16 has 8 mantissa bits).
