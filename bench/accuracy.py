@@ -159,6 +159,12 @@ def variants(low: float, sweep: tuple[float, ...]) -> list[Variant]:
         Variant("sab_static", (*sab, "--dst.beta0", str(BETA0)), BETA0, f"SAB, static β={BETA0}"),
         Variant("sab_dst_mean", (*dst, "--dst.anchor", "mean"), BETA0, "SAB+DST (mean)"),
         Variant("sab_dst_recall", (*dst, "--dst.anchor", "recall"), BETA0, "SAB+DST (recall)"),
+        Variant(
+            "sab_dst_recall_doc",
+            (*dst, "--dst.anchor", "recall", "--dst.per_document"),
+            BETA0,
+            "SAB+DST (recall), per-document budgets",
+        ),
     ]
     for b in sweep:
         if b not in (BETA0, low):
