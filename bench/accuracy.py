@@ -373,6 +373,12 @@ def mean_series(runs: list[dict], key: str) -> list[float]:
     return [statistics.fmean(xs) for xs in zip(*values, strict=True)]
 
 
+#: the variants every row is paired against (a column each): dense; SAB at a static
+#: budget, which DST's runs add to; and micro-batch SAB+DST, which per-document budgets
+#: redistribute
+PAIRED_WITH = ("dense", "sab_static", "sab_dst_recall")
+
+
 def summarize(results: dict, chosen: list[Variant]) -> dict:
     from sb_titan.eval.heldout import DISTANCE_BUCKETS, distance_bucket
 
@@ -407,7 +413,7 @@ def summarize(results: dict, chosen: list[Variant]) -> dict:
         }
         if v.name in timing:
             row["step_s"] = timing[v.name]
-        for ref in ("dense", "sab_static"):  # paired on the seeds both have
+        for ref in PAIRED_WITH:  # paired on the seeds both have
             ref_seeds, ref_em = _em_matrix(results, ref, "dense" if ref == "dense" else "sparse")
             common = sorted(set(seeds) & set(ref_seeds))
             if ref != v.name and common:
@@ -440,11 +446,12 @@ def markdown(results: dict, summary: dict) -> str:
     )
     buckets = list(next(iter(summary.values()))["by_distance"])
     rows = [
-        "| variant | seeds | eval | exact match | Δ vs dense | Δ vs SAB static | "
+        "| variant | seeds | eval | exact match | Δ vs dense | Δ vs SAB static "
+        + "| Δ vs SAB+DST (recall) | "
         + " | ".join(f"EM {b}" for b in buckets)
         + " | held-out loss | density (first → last step) | true recall | top-key hit "
         + "| est. recall | step s |",
-        "|---|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|" + "---|" * len(buckets) + "---|---|---|---|---|---|",
     ]
 
     def last(r: dict, key: str) -> str:  # the training run's last logged value
@@ -455,8 +462,8 @@ def markdown(results: dict, summary: dict) -> str:
         step = f"{r['step_s']:.2f}" if "step_s" in r else "—"
         rows.append(
             f"| {r['label']} | {len(r['seeds'])} | {r['eval']} | {fmt(r['em'])} | "
-            f"{fmt(r['vs_dense']) if 'vs_dense' in r else '—'} | "
-            f"{fmt(r['vs_sab_static']) if 'vs_sab_static' in r else '—'} | "
+            + " | ".join(fmt(r[f"vs_{ref}"]) if f"vs_{ref}" in r else "—" for ref in PAIRED_WITH)
+            + " | "
             + " | ".join(
                 fmt(r["by_distance"][b]) if b in r["by_distance"] else "—" for b in buckets
             )

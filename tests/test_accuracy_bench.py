@@ -259,3 +259,44 @@ def test_every_variant_of_the_study_is_a_valid_config():
         assert load_config(bench.FINETUNE, v.attention).sparse_attention == config.sparse_attention
         if v.eval_budget is not None:
             assert config.dst.beta0 == v.eval_budget and config.sparse_attention.enabled
+
+
+def test_per_document_budgets_are_paired_with_micro_batch_dst():
+    """The report's Δ columns pair each variant with dense, SAB static and micro-batch
+    SAB+DST on the seeds both have: here the per-document run recalls 13 of 128 items
+    more than the micro-batch run at seed 0, so its Δ vs micro-batch is 13/128 exactly,
+    and the row shows it."""
+    rng = np.random.default_rng(1)
+    distances = rng.integers(1, 4000, 128).tolist()
+    micro = (rng.random(128) < 0.5).astype(float)
+    per_doc = micro.copy()
+    per_doc[np.flatnonzero(micro == 0)[:13]] = 1.0
+
+    def run(name: str, seed: int, exact, sparse: bool) -> dict:
+        scores = {"exact": list(exact), "em": float(np.mean(exact)), "loss": 5.0}
+        scores["value_loss"] = 1.0
+        series = {"density": [0.5], "recall": [0.9], "true_recall": [0.7], "top_key_hit": [0.9]}
+        out = {"variant": name, "seed": seed, "distances": distances, "dense": scores}
+        return out | {"sparse": scores, "series": series} if sparse else out | {"series": {}}
+
+    results = {
+        "settings": {
+            "steps": 40,
+            "config": "x.toml",
+            "heldout": {"docs": 64, "lengths": [2048], "seed": 777},
+        },
+        "runs": {
+            "dense/seed0": run("dense", 0, micro, False),
+            "sab_dst_recall/seed0": run("sab_dst_recall", 0, micro, True),
+            "sab_dst_recall/seed1": run("sab_dst_recall", 1, micro, True),  # unpaired seed
+            "sab_dst_recall_doc/seed0": run("sab_dst_recall_doc", 0, per_doc, True),
+        },
+    }
+    summary = bench.summarize(results, bench.variants(low=0.1, sweep=()))
+    delta, lo, hi = summary["sab_dst_recall_doc"]["vs_sab_dst_recall"]
+    assert delta == 13 / 128 and lo <= delta <= hi
+    assert "vs_sab_dst_recall" not in summary["sab_dst_recall"]  # not with itself
+    row = next(
+        line for line in bench.markdown(results, summary).splitlines() if "per-document" in line
+    )
+    assert bench.fmt(summary["sab_dst_recall_doc"]["vs_sab_dst_recall"]) in row.split(" | ")[6]
