@@ -170,6 +170,7 @@ def test_help_choices_are_the_librarys():
     """The tools name --help's choices themselves (their libraries load torch); they must
     stay the libraries' own."""
     from sb_titan.balance.cost_model import ANALYTIC_DEVICES
+    from sb_titan.balance.cost_model.recall import RECALL_MEASURES
     from sb_titan.balance.dst import ANCHORS
     from sb_titan.models.flavors import FAMILY_FLAVORS
     from sb_titan.profiler.stage import SCOPES
@@ -182,6 +183,7 @@ def test_help_choices_are_the_librarys():
     assert simulate.DEVICES == tuple(sorted(ANALYTIC_DEVICES))
     assert simulate.FAMILIES == tuple(sorted(FAMILY_FLAVORS))
     assert simulate.BASELINE_POLICIES == BASELINE_POLICIES
+    assert simulate.RECALL_MEASURES == RECALL_MEASURES
     assert profile.SCOPES == SCOPES and profile.CLOCKS == CLOCKS
 
 

@@ -113,6 +113,9 @@ class Scenario:
     bwd_over_fwd: float = 2.0
     first_less: int = 1
     last_less: int = 1
+    recall_curves: str | None = None
+    """Measured per-document recall curves (bench/recall_curves.py): DST's recall model
+    learns their fit half, their held-out half scores every step (simulator/heldout.py)."""
 
     @property
     def model(self) -> ModelDims:

@@ -18,6 +18,16 @@ JSON_FORMAT = "sb_titan.simulate"
 
 JSON_VERSION = 1
 _DST_KEYS = ("anchor", "p", "beta0", "beta_min", "beta_max")  # the DST settings reported
+_METHOD = {  # how the figures are made, reported beside them
+    "reduction": "ring all-reduce of each pipeline rank's gradients after the last "
+    "backward of the slowest DP rank, not overlapped",
+    "recall_proxy": "dst.DSTDecision.predicted_recall (per document: DocDecision's), the "
+    "allocator's own view by DST's recall model (setup.recall_measure): a document's "
+    "first two blocks keep everything, later tokens what the model predicts",
+    "heldout": "with recall_curves: DST's recall model learnt the curves' fit half; "
+    "heldout_true / heldout_top_key score every document at its budget with the "
+    "held-out half's mean curve of its length (simulator/heldout.py)",
+}
 
 
 def report(
@@ -66,6 +76,7 @@ def report(
             "mean_budget": budget,
             "mean_recall_proxy": float(np.mean([r.recall_proxy for r in rs])),
             "dst_clamped_share": float(np.mean([r.clamped for r in rs])) / n_units,
+            **_heldout_means(rs),
         }
     base_ideal = variants["baseline"]["ideal_bound_s"]
     return {
@@ -84,21 +95,24 @@ def report(
             "policy": sc.selection,
             "dst": {k: getattr(sc.dst, k) for k in _DST_KEYS},
             "density_prior_exponent": sc.density_exponent,
+            "recall_curves": sc.recall_curves,
+            "recall_measure": sim.models.planning.recall_model.measure,
         },
         "assumptions": {
             "cost_model": sim.models.description,
             "device": None if sc.profile else {"name": sc.device, **ANALYTIC_DEVICES[sc.device]},
             "network": dataclasses.asdict(sc.network),
             "bwd_over_fwd": sc.bwd_over_fwd,
-            "reduction": "ring all-reduce of each pipeline rank's gradients after the last "
-            "backward of the slowest DP rank, not overlapped",
-            "recall_proxy": "dst.DSTDecision.predicted_recall: tokens in a document's first "
-            "two blocks keep all their estimated mass, later ones at least the budget "
-            "(a lower bound on the token-mean recall)",
+            **_METHOD,
         },
         "balance_bound_speedup": base_step / base_ideal,
         "variants": variants,
     }
+
+
+def _heldout_means(rs: list[StepResult]) -> dict[str, float]:
+    """Held-out recall per scored measure, the mean over steps (none without curves)."""
+    return {f"heldout_{m}": float(np.mean([r.heldout[m] for r in rs])) for m in rs[0].heldout or {}}
 
 
 def format_table(rep: dict[str, Any]) -> str:
@@ -108,15 +122,19 @@ def format_table(rep: dict[str, Any]) -> str:
         f"{'mb m/m':>8}{'ideal s':>9}{'budget':>8}{'recall':>8}"
         f"{'plan ms':>8}{'wait ms':>8}{'w/ wait':>8}"
     )
+    heldout = "heldout_true" in next(iter(rep["variants"].values()))
+    if heldout:
+        head += f"{'held true':>10}{'held top':>9}"
     lines = [head]
     for v, r in rep["variants"].items():
+        cells = f"{r['heldout_true']:>10.4f}{r['heldout_top_key']:>9.4f}" if heldout else ""
         lines.append(
             f"{v:<{w}}{r['step_time_s']:>8.3f}{r['tokens_per_step'] / 1e6:>7.2f}"
             f"{r['speedup_vs_baseline']:>8.3f}x{r['bubble_share']:>8.1%}"
             f"{r['imbalance_max_over_mean']:>9.3f}{r['microbatch_imbalance_max_over_mean']:>8.3f}"
             f"{r['ideal_bound_s']:>9.3f}{r['mean_budget']:>8.3f}{r['mean_recall_proxy']:>8.3f}"
             f"{(r['planning_s'] + r['dst_s']) * 1e3:>8.1f}{r['control_s'] * 1e3:>8.1f}"
-            f"{r['speedup_with_control_vs_baseline']:>7.3f}x"
+            f"{r['speedup_with_control_vs_baseline']:>7.3f}x{cells}"
         )
     lines.append(
         "speedup: tokens/s over the baseline's; ideal: every micro-batch at the step's mean "
@@ -124,6 +142,12 @@ def format_table(rep: dict[str, Any]) -> str:
         "plan ms: measured CPU time of SAB planning + DST budgets (in the loader's thread, "
         "overlapped with the previous step); wait ms: what of it exceeds the step; "
         "w/ wait: the speedup with that added to each step"
+        + (
+            "\nheld true / held top: true recall and top-key hit scored by measured "
+            "curves held out from those DST's recall model learnt"
+            if heldout
+            else ""
+        )
     )
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from sb_titan.data.longtail import longtail_v1
 from sb_titan.simulator.cluster import Cluster, Scenario
+from sb_titan.simulator.heldout import RecallCurves
 from sb_titan.simulator.report import report
 from sb_titan.simulator.stages import build_cost_models
 from sb_titan.simulator.step import Simulator, StepResult, make_balancer, variants
@@ -38,7 +39,16 @@ def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
         first_less=sc.first_less,
         last_less=sc.last_less,
     )
-    return Simulator(cluster, dims, models, sc.dst, sc.selection, sc.network, sc.bwd_over_fwd)
+    curves = None
+    if sc.recall_curves is not None:
+        curves = RecallCurves.load(sc.recall_curves)
+        d = sc.dst  # DST learns the fit half as a trainer learns what it trained
+        models.planning.recall_model = curves.fitted_model(
+            d.recall_measure, sc.block_size, d.beta_min, d.beta_max
+        )
+    return Simulator(
+        cluster, dims, models, sc.dst, sc.selection, sc.network, sc.bwd_over_fwd, curves
+    )
 
 
 def simulate(

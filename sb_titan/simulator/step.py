@@ -15,6 +15,7 @@ from sb_titan.balance.sab import SABConfig, StepPlan
 from sb_titan.balance.step_shape import StepShape
 from sb_titan.models.dims import ModelDims
 from sb_titan.simulator.cluster import Cluster, Network
+from sb_titan.simulator.heldout import RecallCurves
 from sb_titan.simulator.replay import Timeline, replay
 from sb_titan.simulator.schedules import schedule_orders
 from sb_titan.simulator.stages import CostModels
@@ -69,6 +70,7 @@ class StepResult:
     planning_s: float = 0.0  # measured CPU seconds of SAB planning this step's plan
     dst_s: float = 0.0  # measured CPU seconds of DST deciding its budgets (both: the balancer's)
     control_s: float = 0.0  # what of both the step waits for (see Simulator.run_step)
+    heldout: dict[str, float] | None = None  # recall scored by held-out curves (heldout.py)
     timeline: Timeline | None = None
 
 
@@ -83,6 +85,7 @@ class Simulator:
     selection: str = "mass"  # the budget's selection policy
     network: Network = field(default_factory=Network)
     bwd_over_fwd: float = 2.0
+    curves: RecallCurves | None = None  # held-out recall curves to score steps with
 
     def __post_init__(self) -> None:
         c = self.cluster
@@ -131,6 +134,21 @@ class Simulator:
             lengths, beta[mb_of], self.selection
         )
         return np.bincount(mb_of, shift, len(units))
+
+    def heldout_recall(
+        self, plan: StepPlan, budgets: np.ndarray, per_doc: DocDecision | None
+    ) -> dict[str, float] | None:
+        """The step's recall scored by the held-out curves: every document at the budget
+        it trains with (its own, or its micro-batch's)."""
+        if self.curves is None:
+            return None
+        lengths, betas = [], []
+        for dp, rank in enumerate(plan.microbatches):
+            for mb, unit in enumerate(rank):
+                lengths += unit.doc_lens
+                own = None if per_doc is None else per_doc.budgets[dp][mb]
+                betas += own if own is not None else [float(budgets[dp][mb])] * len(unit.doc_lens)
+        return self.curves.score(lengths, betas)
 
     def run_step(
         self, scheduled: ScheduledStep, variant: str, keep_timeline: bool = False
@@ -181,5 +199,6 @@ class Simulator:
             planning_s=planning_s,
             dst_s=dst_s,
             control_s=max(0.0, planning_s + dst_s - step_s),
+            heldout=self.heldout_recall(plan, budgets, scheduled.doc_budgets),
             timeline=tl if keep_timeline else None,
         )

@@ -32,6 +32,7 @@ DEVICES = ("cpu", "h100", "h200")
 BASELINE_POLICIES = ("sequential", "tokens")
 FAMILIES = ("llama3", "qwen2_5", "qwen3")
 ANCHORS = ("min", "mean", "median", "max", "recall")
+RECALL_MEASURES = ("top_key", "true", "estimated")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +76,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also simulate SAB+DST with per-document budgets (sab_dst_doc; "
         "[dst] per_document of the config does the same)",
+    )
+    p.add_argument(
+        "--recall-curves",
+        help="measured per-document recall curves (bench/recall_curves.py's JSON): DST's "
+        "recall model learns their fit half, their held-out half scores every step",
+    )
+    p.add_argument(
+        "--recall-measure",
+        choices=RECALL_MEASURES,
+        help="what DST's recall model and `recall` anchor follow (config, else top_key)",
     )
     p.add_argument(
         "--density-exponent",
@@ -146,6 +157,13 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
         sc.dst = dataclasses.replace(sc.dst, anchor=args.anchor)
     if args.per_document:
         sc.dst = dataclasses.replace(sc.dst, per_document=True)
+    if args.recall_measure:
+        sc.dst = dataclasses.replace(sc.dst, recall_measure=args.recall_measure)
+    if args.recall_curves:
+        from sb_titan.simulator.heldout import RecallCurves
+
+        RecallCurves.load(args.recall_curves)  # bad curves: one line before any step
+        sc.recall_curves = args.recall_curves
     if args.flavor or args.family:  # a named size instead of the config's model
         sc.family = args.family or sc.family
         sc.flavor = (args.flavor or sc.flavor).lower()
