@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,6 +76,41 @@ def _median_after_warmup(series: dict[int, float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
 
+OTHER_CPU_FLAG = 0.10  # a run is flagged when other work took more of the machine's CPU
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (Linux /proc/stat; nan elsewhere)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    except (OSError, ValueError):
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children (and theirs, as each reaped its
+    own): the run's ranks, launcher and shell."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_watching_load(args: list[str], env: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run one training and record what else shared the CPUs: the 1-minute load average
+    before and at its end (the run's own ranks raise it), and the share of the machine's
+    CPU that went to other processes during it (machine busy time minus the run's own)."""
+    before, busy0, own0, t0 = os.getloadavg()[0], _machine_busy_s(), _children_cpu_s(), time.time()
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.time() - t0
+    other = _machine_busy_s() - busy0 - (_children_cpu_s() - own0)
+    return proc, {
+        "load_before": before,
+        "load_1min": os.getloadavg()[0],
+        "other_cpu_share": max(0.0, other) / (wall * (os.cpu_count() or 1)),
+    }
+
+
 def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
     dump = root / scenario / variant
     if dump.exists():
@@ -93,7 +129,7 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
     attempts = 0
     while attempts < 2:  # a gloo teardown abort after training was seen once
         attempts += 1
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True)
+        proc, load = run_watching_load(args, env)
         if proc.returncode == 0:
             break
         print(f"    {scenario}/{variant} exited {proc.returncode} (attempt {attempts})", flush=True)
@@ -126,7 +162,7 @@ def run_variant(scenario: str, variant: str, steps: int, root: Path) -> dict:
         "final_loss": loss[max(loss)],
         "wall_s": time.time() - t0,
         "attempts": attempts,
-        "load_1min": os.getloadavg()[0],  # at the run's end: what else shared the CPUs
+        **load,
     }
 
 
@@ -137,6 +173,7 @@ def combine(runs: dict[str, list[dict]]) -> dict[str, dict]:
     rows = {}
     for variant, rs in runs.items():
         row = {k: float(statistics.median(r[k] for r in rs)) for k in rs[0]}
+        row["other_cpu_max"] = max(r.get("other_cpu_share", float("nan")) for r in rs)
         paired = [
             r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["baseline"], strict=True)
         ]
@@ -161,8 +198,8 @@ def markdown(results: dict) -> str:
             "| variant | step s | real tokens/s | speedup (tokens/s) [runs] | ideal s | "
             "step / ideal | rank max/mean | micro-batch max/mean | non-compute share | "
             "padding | estimated recall | true recall | top-key hit | mean density | "
-            "final loss | load |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "final loss | load before / end | other CPU, max run |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in variants.items():
             runs = " / ".join(f"{x:.2f}" for x in r.get("speedup_runs", []))
@@ -174,10 +211,18 @@ def markdown(results: dict) -> str:
                 f"{r['bubble_share']:.3f} | {r['padding_share']:.3f} | "
                 f"{r['mean_recall']:.3f} | {r.get('mean_true_recall', float('nan')):.3f} | "
                 f"{r.get('mean_top_key_hit', float('nan')):.3f} | {r['mean_density']:.3f} | "
-                f"{r['final_loss']:.3f} | {r.get('load_1min', float('nan')):.1f} |"
+                f"{r['final_loss']:.3f} | {r.get('load_before', float('nan')):.1f} / "
+                f"{r.get('load_1min', float('nan')):.1f} | {_other_cpu(r)} |"
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _other_cpu(row: dict) -> str:
+    """The worst run's share of the machine's CPU taken by other work, flagged above
+    OTHER_CPU_FLAG (nan for runs recorded before it was measured)."""
+    share = row.get("other_cpu_max", float("nan"))
+    return f"{share:.0%}" + (" **under load**" if share > OTHER_CPU_FLAG else "")
 
 
 def plot(results: dict, out: Path) -> None:
