@@ -19,7 +19,7 @@ BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux /proc/stat")
-def test_other_work_during_a_run_is_counted_and_the_runs_own_is_not():
+def test_other_work_during_a_run_is_counted():
     """A run that sleeps beside a process burning CPU: the burner's CPU is other work."""
     other = subprocess.Popen([sys.executable, "-c", BURN.format(3.0)])
     try:
