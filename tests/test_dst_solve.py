@@ -119,7 +119,10 @@ def test_models_predict_rows_are_bit_identical_to_predict():
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 2**21, 500).astype(np.float64)
     beta = rng.uniform(0.0, 1.0, 500)
-    for m in (model.density_model, model.recall_model, DensityModel(), RecallModel()):
+    by_budget = RecallModel(beta_knots=20)
+    by_budget.update([(b, n, 0.9) for b in (0.3, 0.55, 0.8) for n in (300, 5000, 90000)])
+    models = (model.density_model, model.recall_model, DensityModel(), RecallModel(), by_budget)
+    for m in models:
         rows = m.length_rows(lengths)
         assert (m.predict_rows(rows, beta) == m.predict(beta, lengths)).all()
         unit = rng.integers(0, 7, 500)

@@ -104,8 +104,9 @@ def test_the_recall_model_learns_the_fit_half_only(tmp_path):
     docs = [_doc(n, "fit", (1.0, 1.0)) for n in (1024, 8192)]
     docs += [_doc(n, "heldout", (0.5, 0.5)) for n in (1024, 8192)]
     curves = RecallCurves.load(_curves_file(tmp_path, docs))
-    prior = curves.fitted_model("true", 64, 0.9, 0.95)  # no fit budget in range: the prior
-    model = curves.fitted_model("true", 64, 0.5, 1.0)
+    out_of_range = DSTConfig(recall_measure="true", beta_min=0.9, beta0=0.9, beta_max=0.95)
+    prior = curves.fitted_model(out_of_range, 64)  # no fit budget in range: the prior
+    model = curves.fitted_model(DSTConfig(recall_measure="true"), 64)
     assert prior.count.sum() == 0 and model.count.sum() > 0
     for n in (1024, 8192):
         assert float(prior.predict(0.5, [n])[0]) < 0.6

@@ -97,3 +97,57 @@ def test_true_recall_model_learns_a_gap_below_beta():
     fresh = RecallModel(measure="estimated")
     fresh.load_state_dict(state)  # another quantity's corrections are not adopted
     assert float(fresh.predict(0.8, 4096)) == float(RecallModel().predict(0.8, 4096))
+
+
+def _by_budget_pair():
+    """A by-budget model and a per-length one fed the same measured curve: at 4096
+    tokens recall rises from 0.76 at beta 0.5 to 0.94 at 0.9 (slope 0.45, not 1)."""
+    curve = {0.5: 0.76, 0.7: 0.84, 0.9: 0.94}
+    obs = [(b, 4096, r) for b, r in curve.items()] * 2
+    by_budget, by_length = RecallModel(measure="true", beta_knots=20), RecallModel(measure="true")
+    by_budget.update(obs)
+    by_length.update(obs)
+    return curve, by_budget, by_length
+
+
+def test_by_budget_follows_a_measured_curve_the_per_length_correction_cannot():
+    curve, by_budget, by_length = _by_budget_pair()
+    for beta, kept in curve.items():
+        assert float(by_budget.predict(beta, 4096)) == pytest.approx(kept, abs=1e-9)
+    # between observed budgets: linear in the budget, prior included
+    prior = RecallModel(measure="true")
+    mid = np.mean([kept - float(prior.predict(b, 4096)) for b, kept in curve.items() if b != 0.5])
+    assert float(by_budget.predict(0.8, 4096)) == pytest.approx(
+        float(prior.predict(0.8, 4096)) + mid, abs=1e-9
+    )
+    # unobserved budgets take the nearest observed one's correction
+    low = curve[0.5] - float(prior.predict(0.5, 4096))
+    assert float(by_budget.predict(0.3, 4096)) == pytest.approx(
+        float(prior.predict(0.3, 4096)) + low, abs=1e-9
+    )
+    # one constant per length misses the slope at both ends
+    assert abs(float(by_length.predict(0.5, 4096)) - curve[0.5]) > 0.05
+    assert abs(float(by_length.predict(0.9, 4096)) - curve[0.9]) > 0.05
+
+
+def test_by_budget_observed_at_one_budget_predicts_as_the_per_length_model():
+    by_budget, by_length = RecallModel(beta_knots=20), RecallModel()
+    obs = [(0.9, n, 0.93) for n in (512, 4096, 65536)]
+    by_budget.update(obs)
+    by_length.update(obs)
+    lengths = np.array([100.0, 700, 4096, 20000, 300000])
+    for beta in (0.2, 0.5, 0.9, 1.0):
+        assert (by_budget.predict(beta, lengths) == by_length.predict(beta, lengths)).all()
+
+
+def test_by_budget_state_round_trip_and_a_per_length_state():
+    _, by_budget, by_length = _by_budget_pair()
+    fresh = RecallModel(measure="true", beta_knots=20)
+    fresh.load_state_dict(by_budget.state_dict())
+    lengths = np.array([512.0, 4096, 65536])
+    for beta in (0.3, 0.6, 0.85):
+        assert (fresh.predict(beta, lengths) == by_budget.predict(beta, lengths)).all()
+    # a checkpoint of the per-length model: its corrections, learnt by budget afresh
+    fresh.load_state_dict(by_length.state_dict())
+    for beta in (0.3, 0.6, 0.85):
+        assert (fresh.predict(beta, lengths) == by_length.predict(beta, lengths)).all()

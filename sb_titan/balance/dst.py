@@ -34,6 +34,7 @@ from sb_titan.balance.cost_model.recall import RECALL_MEASURES, RecallMeasure
 
 Anchor = Literal["min", "mean", "median", "max", "recall"]  # the CLI help lists them
 ANCHORS: tuple[str, ...] = get_args(Anchor)
+RECALL_BETA_KNOTS = 20  # the recall model's budget knots with [dst] recall_by_budget
 _ANCHOR_BISECT_STEPS = 40  # fixed (identical on every rank); on the table, so cheap
 _TABLE_POINTS = 16  # grid intervals on each side of beta0 in the recall table
 _REFINE_ROUNDS = 6  # exact checks of the recall anchor before falling back to max
@@ -66,6 +67,12 @@ class DSTConfig:
     measurement: across selections at equal density on the accuracy base it orders
     held-out exact match (0.84 -> 27%, 0.93 -> 63%), where true recall stayed within
     0.70-0.77 for all of them (docs/attention.md)."""
+    recall_by_budget: bool = False
+    """Learn the recall model by budget as well as by length (RecallModel's budget knots,
+    every 0.05): measured curves rise with the budget at a slope that differs with
+    length, which one correction per length cannot follow, and per-document budgets
+    trade recall across lengths (docs/results.md, "Per-document budgets"). Off: one
+    correction per length, as before (the recorded plan digests)."""
     verify_ranks: bool = False
     """Debug: all-gather a hash of the step's budgets and fail if any rank disagrees."""
     per_document: bool = False
@@ -81,6 +88,11 @@ class DSTConfig:
     documents that long-context training is for)."""
     long_floor: float = 0.5
     """Per-document budgets: the lowest budget of a long document."""
+
+    @property
+    def recall_beta_knots(self) -> int:
+        """The recall model's budget knots (0: by length only)."""
+        return RECALL_BETA_KNOTS if self.recall_by_budget else 0
 
     def __post_init__(self) -> None:
         if self.anchor not in ANCHORS:

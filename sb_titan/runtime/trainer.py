@@ -407,7 +407,10 @@ def build_run_cost_model(config: SBTrainer.Config, model: Qwen3Model.Config) -> 
         from sb_titan.profiler import current_fingerprint
 
         expected = current_fingerprint(config, model)
-    model = build_cost_model(config.cost_model, spec_for, expected, config.dst.recall_measure)
+    dst = config.dst
+    model = build_cost_model(
+        config.cost_model, spec_for, expected, dst.recall_measure, dst.recall_beta_knots
+    )
     wants = (("dst.enabled", config.dst.enabled), ("sab.policy='sab'", config.sab.policy == "sab"))
     needs = [name for name, on in wants if on]
     if model is None and needs:  # a config problem: no restart will fix it (elastic.py)

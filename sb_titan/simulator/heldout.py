@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sb_titan.balance.cost_model.recall import RecallMeasure, RecallModel
-from sb_titan.balance.dst import sensitive_recall
+from sb_titan.balance.cost_model.recall import RecallModel
+from sb_titan.balance.dst import DSTConfig, sensitive_recall
 
 FORMAT = "sb_titan.recall_curves"
 SCORED = ("true", "top_key")  # what the held-out half scores
@@ -81,14 +81,16 @@ class RecallCurves:
         fit = [(n, d) for n in sorted(halves["fit"]) for d in halves["fit"][n]]
         return cls(betas, lengths, heldout, fit)
 
-    def fitted_model(
-        self, measure: RecallMeasure, block_size: int, beta_min: float, beta_max: float
-    ) -> RecallModel:
-        """DST's recall model after learning the fit half at the budgets DST may give
-        (beta_min .. beta_max): what a trainer would have observed, one document at a
-        time, inverted to its budget-sensitive tokens as the trainer inverts it."""
-        model = RecallModel(block_size=block_size, measure=measure)
-        used = (self.betas >= beta_min) & (self.betas <= beta_max)
+    def fitted_model(self, dst: DSTConfig, block_size: int) -> RecallModel:
+        """DST's recall model (its measure, by budget or not) after learning the fit half
+        at the budgets DST may give (beta_min .. beta_max): what a trainer would have
+        observed, one document at a time, inverted to its budget-sensitive tokens as the
+        trainer inverts it."""
+        measure = dst.recall_measure
+        model = RecallModel(
+            block_size=block_size, measure=measure, beta_knots=dst.recall_beta_knots
+        )
+        used = (self.betas >= dst.beta_min) & (self.betas <= dst.beta_max)
         observations = []
         for length, curves in self.fit:
             for beta, recall in zip(self.betas[used], curves[measure][used], strict=True):

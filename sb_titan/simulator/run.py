@@ -42,10 +42,8 @@ def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
     curves = None
     if sc.recall_curves is not None:
         curves = RecallCurves.load(sc.recall_curves)
-        d = sc.dst  # DST learns the fit half as a trainer learns what it trained
-        models.planning.recall_model = curves.fitted_model(
-            d.recall_measure, sc.block_size, d.beta_min, d.beta_max
-        )
+        # DST learns the fit half as a trainer learns what it trained
+        models.planning.recall_model = curves.fitted_model(sc.dst, sc.block_size)
     return Simulator(
         cluster, dims, models, sc.dst, sc.selection, sc.network, sc.bwd_over_fwd, curves
     )

@@ -77,16 +77,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also simulate SAB+DST with per-document budgets (sab_dst_doc; "
         "[dst] per_document of the config does the same)",
     )
-    p.add_argument(
-        "--recall-curves",
-        help="measured per-document recall curves (bench/recall_curves.py's JSON): DST's "
-        "recall model learns their fit half, their held-out half scores every step",
-    )
-    p.add_argument(
-        "--recall-measure",
-        choices=RECALL_MEASURES,
-        help="what DST's recall model and `recall` anchor follow (config, else top_key)",
-    )
+    _recall_args(p)
     p.add_argument(
         "--density-exponent",
         type=float,
@@ -114,6 +105,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a Gantt chart of step 0 per variant (PNG)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     return p
+
+
+def _recall_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recall-curves",
+        help="measured per-document recall curves (bench/recall_curves.py's JSON): DST's "
+        "recall model learns their fit half, their held-out half scores every step",
+    )
+    p.add_argument(
+        "--recall-measure",
+        choices=RECALL_MEASURES,
+        help="what DST's recall model and `recall` anchor follow (config, else top_key)",
+    )
+    p.add_argument(
+        "--recall-by-budget",
+        action="store_true",
+        help="DST's recall model learns by budget as well as by length ([dst] recall_by_budget)",
+    )
+
+
+def _recall_settings(args: argparse.Namespace, sc: Scenario) -> None:
+    """The recall flags over the config's [dst]; bad curves end here, in one line."""
+    if args.recall_measure:
+        sc.dst = dataclasses.replace(sc.dst, recall_measure=args.recall_measure)
+    if args.recall_by_budget:
+        sc.dst = dataclasses.replace(sc.dst, recall_by_budget=True)
+    if args.recall_curves:
+        from sb_titan.simulator.heldout import RecallCurves
+
+        RecallCurves.load(args.recall_curves)
+        sc.recall_curves = args.recall_curves
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
@@ -157,13 +179,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Cluster, Scenario]:
         sc.dst = dataclasses.replace(sc.dst, anchor=args.anchor)
     if args.per_document:
         sc.dst = dataclasses.replace(sc.dst, per_document=True)
-    if args.recall_measure:
-        sc.dst = dataclasses.replace(sc.dst, recall_measure=args.recall_measure)
-    if args.recall_curves:
-        from sb_titan.simulator.heldout import RecallCurves
-
-        RecallCurves.load(args.recall_curves)  # bad curves: one line before any step
-        sc.recall_curves = args.recall_curves
+    _recall_settings(args, sc)
     if args.flavor or args.family:  # a named size instead of the config's model
         sc.family = args.family or sc.family
         sc.flavor = (args.flavor or sc.flavor).lower()

@@ -87,12 +87,14 @@ class CostModel:
         ridge: float = 0.01,
         scale_bounds: tuple[float, float] = (0.05, 20.0),
         recall_measure: RecallMeasure = "estimated",
+        recall_beta_knots: int = 0,
     ) -> None:
         self.profile = profile
         self.density_model = density_model if density_model is not None else DensityModel()
         self.block_size = profile.block_size
         # DST's (dst.py): it learns the recall measure the `recall` anchor holds
-        self.recall_model = RecallModel(block_size=self.block_size, measure=recall_measure)
+        self.recall_model = RecallModel(block_size=self.block_size, measure=recall_measure,
+                                        beta_knots=recall_beta_knots)  # fmt: skip
         self.refit_rate, self.ape_rate, self.ridge = refit_rate, ape_rate, ridge
         self.scale_bounds = scale_bounds
         self._profile_digest = profile.digest()
@@ -483,15 +485,15 @@ def build_cost_model(
     spec_for: Callable[[str], AnalyticSpec],
     expected: dict[str, Any],
     recall_measure: RecallMeasure = "estimated",
+    recall_beta_knots: int = 0,
 ) -> CostModel | None:
     """The run's cost model, or None when neither a profile nor the analytic fallback
     was configured (callers that need one say which command makes it)."""
     fallback = spec_for(config.analytic_device) if config.analytic_device else None
+    recall = {"recall_measure": recall_measure, "recall_beta_knots": recall_beta_knots}
     if config.profile is None:
-        if fallback is None:
-            return None
-        return CostModel.analytic(fallback, recall_measure=recall_measure)
-    model = CostModel.from_file(config.profile, analytic=fallback, recall_measure=recall_measure)
+        return None if fallback is None else CostModel.analytic(fallback, **recall)
+    model = CostModel.from_file(config.profile, analytic=fallback, **recall)
     if model.profile.source != "<memory>":
         model.check_fingerprint(expected, config.strict_fingerprint, config.allow_shape_mismatch)
     return model

@@ -19,3 +19,4 @@ class CostModelOptions(TypedDict, total=False):
     ridge: float
     scale_bounds: tuple[float, float]
     recall_measure: RecallMeasure
+    recall_beta_knots: int

@@ -15,6 +15,14 @@ acts, and a model that learned per budget would mispredict beta0 itself):
 
 DST (dst.py) predicts a step's recall with it; the trainer feeds it what it measures.
 
+With `beta_knots` > 0 (`[dst] recall_by_budget`) the correction is also learned per
+budget knot (k / beta_knots) within each length knot, linear between knots and between
+a length's observed budgets: measured curves rise with
+the budget at a slope that differs with length (bench/recall_curves.py: from beta 0.5 to
+0.9, +0.04 at 1K tokens, +0.32 at 64K), which one constant per length cannot follow, and
+per-document budgets trade recall exactly across lengths. Observed at one budget only,
+it predicts what the per-length correction predicts.
+
 `measure="true"` models true recall instead (attention/recall.py: the exact mass of
 sampled queries that the kept blocks cover), and `measure="top_key"` the top-key hit
 rate (the share of sampled queries whose key of greatest true probability was kept).
@@ -57,10 +65,12 @@ class RecallModel:
         log2_len_max: int = 20,
         max_count: int = 256,
         measure: RecallMeasure = "estimated",
+        beta_knots: int = 0,
     ):
-        if log2_len_max <= log2_len_min or max_count < 1 or block_size < 1:
+        if log2_len_max <= log2_len_min or max_count < 1 or block_size < 1 or beta_knots < 0:
             raise ValueError(
-                "RecallModel: need log2_len_min < log2_len_max, max_count >= 1, block_size >= 1"
+                "RecallModel: need log2_len_min < log2_len_max, max_count >= 1, "
+                "block_size >= 1, beta_knots >= 0"
             )
         if measure not in RECALL_MEASURES:
             raise ValueError(f"RecallModel: measure {measure!r} is not one of {RECALL_MEASURES}")
@@ -74,15 +84,32 @@ class RecallModel:
         self._prior = np.array([[uniform_overshoot(b, n) for b in betas] for n in blocks])
         self.count = np.zeros(len(knots), dtype=np.int64)
         self.mean = np.zeros(len(knots), dtype=np.float64)
+        self.beta_knots = int(beta_knots)
+        # per (length knot, budget knot k / beta_knots): the same residuals, by budget too
+        self.count_b = np.zeros((len(knots), self.beta_knots + 1), dtype=np.int64)
+        self.mean_b = np.zeros((len(knots), self.beta_knots + 1), dtype=np.float64)
         self._refresh()
 
     def _refresh(self) -> None:
-        """Unobserved knots take the nearest observed knot's correction (0 if none)."""
+        """Unobserved knots take the nearest observed knot's correction (0 if none). By
+        budget: an unobserved budget is linear between its length's observed budgets (the
+        nearest one outside them), and an unobserved length takes its nearest observed
+        length's row."""
         seen = np.flatnonzero(self.count > 0)
         if not seen.size:
             self.correction = np.zeros_like(self.mean)
+            self.correction_b = np.zeros_like(self.mean_b)
             return
         self.correction = self.mean[nearest(seen, len(self.mean))]
+        if self.beta_knots:
+            rows = np.empty_like(self.mean_b)
+            knots = np.arange(self.beta_knots + 1)
+            for i in seen:  # a row without budget cells (a restored 1-D state): its mean
+                cols = np.flatnonzero(self.count_b[i] > 0)
+                rows[i] = (
+                    np.interp(knots, cols, self.mean_b[i, cols]) if cols.size else self.mean[i]
+                )
+            self.correction_b = rows[nearest(seen, len(self.mean))]
 
     def _x(self, lengths: np.ndarray) -> np.ndarray:
         """Position on the log2-length knots."""
@@ -100,10 +127,24 @@ class RecallModel:
             (1 - v) * p[i + 1, j] + v * p[i + 1, j + 1]
         )
 
-    def _correction(self, lengths: np.ndarray) -> np.ndarray:
+    def _correction(self, lengths: np.ndarray, beta: np.ndarray | None) -> np.ndarray:
+        """The learned correction, linear in log2 length (and in the budget, by budget)."""
         x = self._x(lengths)
         i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
-        return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
+        if not self.beta_knots:
+            return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
+        rows = self.correction_b[i] + (x - i)[..., None] * (
+            self.correction_b[i + 1] - self.correction_b[i]
+        )
+        return self._along_beta(rows, beta)
+
+    def _along_beta(self, rows: np.ndarray, beta: np.ndarray) -> np.ndarray:
+        """rows [..., beta_knots + 1] at `beta` [...], linearly between budget knots."""
+        y = np.clip(beta, 0.0, 1.0) * self.beta_knots
+        j = np.minimum(np.floor(y).astype(np.int64), self.beta_knots - 1)[..., None]
+        lo = np.take_along_axis(rows, j, axis=-1)[..., 0]
+        hi = np.take_along_axis(rows, j + 1, axis=-1)[..., 0]
+        return lo + (y - j[..., 0]) * (hi - lo)
 
     def _floor(self, beta: np.ndarray) -> np.ndarray | float:
         """Estimated kept mass never falls below beta; measured quantities can."""
@@ -114,16 +155,25 @@ class RecallModel:
         beta, lengths = np.broadcast_arrays(
             np.asarray(beta, dtype=np.float64), np.asarray(lengths, dtype=np.float64)
         )
-        overshoot = self._uniform(beta, lengths) + self._correction(lengths)
+        overshoot = self._uniform(beta, lengths) + self._correction(lengths, beta)
         return np.clip(beta + overshoot, self._floor(beta), 1.0)
 
     def length_rows(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(flat prior offset of each length's lower knot, weight, correction) [D]: the
-        budget-independent half of `predict`, done once per document (`predict_rows`)."""
+        budget-independent half of `predict`, done once per document (`predict_rows`).
+        By budget, the correction is each document's row over the budget knots
+        [D, beta_knots + 1]."""
         lengths = np.asarray(lengths, dtype=np.float64)
         x = self._x(lengths)
         i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
-        return i * self._prior.shape[1], x - i, self._correction(lengths)
+        if self.beta_knots:
+            u = (x - i)[:, None]
+            correction = self.correction_b[i] + u * (
+                self.correction_b[i + 1] - self.correction_b[i]
+            )
+        else:
+            correction = self._correction(lengths, None)
+        return i * self._prior.shape[1], x - i, correction
 
     def predict_rows(
         self,
@@ -145,6 +195,8 @@ class RecallModel:
         uniform = (1 - u) * ((1 - v) * p[flat] + v * p[flat + 1]) + u * (
             (1 - v) * p[up] + v * p[up + 1]
         )
+        if correction.ndim == 2:
+            correction = self._along_beta(correction, beta)
         return np.clip(beta + (uniform + correction), self._floor(beta), 1.0)
 
     def update(self, observations: Iterable[tuple[float, int, float]]) -> None:
@@ -160,6 +212,11 @@ class RecallModel:
         residual = np.clip(kept, self._floor(beta), 1.0) - beta - self._uniform(beta, length)
         knot = np.rint(self._x(length)).astype(np.int64)
         self.mean, self.count = fold_in(self.mean, self.count, knot, residual, self.max_count)
+        if self.beta_knots:
+            cell = knot * (self.beta_knots + 1) + np.rint(beta * self.beta_knots).astype(np.int64)
+            self.mean_b, self.count_b = fold_in(
+                self.mean_b, self.count_b, cell, residual, self.max_count
+            )
         self._refresh()
 
     def state_dict(self) -> dict[str, Any]:
@@ -171,6 +228,9 @@ class RecallModel:
             "measure": self.measure,
             "count": self.count.tolist(),
             "mean": self.mean.tolist(),
+            "beta_knots": self.beta_knots,
+            "count_b": self.count_b.tolist(),
+            "mean_b": self.mean_b.tolist(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -178,6 +238,13 @@ class RecallModel:
         measure = state.get("measure", "estimated")  # absent before true recall existed
         if measure != self.measure:  # corrections of another quantity: learn afresh
             return
-        self.__init__(**{k: state[k] for k in keys}, measure=measure)
+        beta_knots = self.beta_knots  # the run's setting; by budget: learnt afresh if absent
+        self.__init__(**{k: state[k] for k in keys}, measure=measure, beta_knots=beta_knots)
         self.mean, self.count = tables_from_state(state, self.count.shape, "RecallModel")
+        if beta_knots and state.get("beta_knots") == beta_knots:
+            self.mean_b, self.count_b = tables_from_state(
+                {"mean": state["mean_b"], "count": state["count_b"]},
+                self.count_b.shape,
+                "RecallModel",
+            )
         self._refresh()
