@@ -17,7 +17,7 @@ JSON_FORMAT = "sb_titan.simulate"
 
 
 JSON_VERSION = 1
-_DST_KEYS = ("anchor", "p", "beta0", "beta_min", "beta_max")  # the DST settings reported
+_DST_KEYS = ("anchor", "p", "beta0", "beta_min", "beta_max", "recall_by_budget")  # reported
 _METHOD = {  # how the figures are made, reported beside them
     "reduction": "ring all-reduce of each pipeline rank's gradients after the last "
     "backward of the slowest DP rank, not overlapped",
