@@ -173,4 +173,7 @@ def test_control_plane_bench_small_mode(tmp_path):
         ahead = row["sab_plan_s"] + s <= row["step_s"][a]  # the loader thread keeps up
         assert row["ahead_overlapped"][a] == ahead
         assert row["dst_within_target"][a] == (row["dst_over_step"][a] <= 0.01 or ahead)
+    # per-document budgets after the recall anchor: timed, and overlapped only if all fit
+    doc = row["sab_plan_s"] + row["dst_s"]["recall"] + row["doc_dst_s"]
+    assert row["doc_dst_s"] > 0 and row["doc_dst_overlapped"] == (doc <= row["step_s"]["recall"])
     assert row["sab_plan_s"] > 0 and row["refit_s"] > 0 and row["publish_s"] > 0
