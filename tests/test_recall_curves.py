@@ -120,6 +120,7 @@ def test_the_recall_model_learns_the_fit_half_only(tmp_path):
         (lambda r: r.update(format="other"), "not a recall-curves file"),
         (lambda r: r.update(betas=[0.5]), "'betas'"),
         (lambda r: r["documents"][0].update(true=[0.5, 1.5]), "document 0"),
+        (lambda r: r["documents"].insert(0, [512]), "document 0"),
         (lambda r: r["documents"][1].update(half="fit"), "both halves"),
     ],
 )

@@ -54,6 +54,7 @@ class RecallCurves:
         measures = ("estimated", *SCORED)
         halves: dict[str, dict[int, list[dict[str, np.ndarray]]]] = {"fit": {}, "heldout": {}}
         for i, doc in enumerate(rep.get("documents", [])):
+            doc = doc if isinstance(doc, dict) else {}
             half, length = doc.get("half"), doc.get("length")
             curves = {m: np.asarray(doc.get(m, []), dtype=np.float64) for m in measures}
             if (
