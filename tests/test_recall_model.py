@@ -147,7 +147,10 @@ def test_by_budget_state_round_trip_and_a_per_length_state():
     lengths = np.array([512.0, 4096, 65536])
     for beta in (0.3, 0.6, 0.85):
         assert (fresh.predict(beta, lengths) == by_budget.predict(beta, lengths)).all()
-    # a checkpoint of the per-length model: its corrections, learnt by budget afresh
+    # a checkpoint of the per-length model: its corrections, learnt by budget afresh;
+    # its state is what it was before budgets existed (the snapshots' digests hash it)
+    keys = {"block_size", "log2_len_min", "log2_len_max", "max_count", "measure", "count", "mean"}
+    assert set(by_length.state_dict()) == keys
     fresh.load_state_dict(by_length.state_dict())
     for beta in (0.3, 0.6, 0.85):
         assert (fresh.predict(beta, lengths) == by_length.predict(beta, lengths)).all()

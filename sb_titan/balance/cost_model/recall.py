@@ -228,9 +228,17 @@ class RecallModel:
             "measure": self.measure,
             "count": self.count.tolist(),
             "mean": self.mean.tolist(),
-            "beta_knots": self.beta_knots,
-            "count_b": self.count_b.tolist(),
-            "mean_b": self.mean_b.tolist(),
+            # by budget only: a per-length model's state (and the snapshot digests the
+            # sample logs record) stays what it was before the switch existed
+            **(
+                {
+                    "beta_knots": self.beta_knots,
+                    "count_b": self.count_b.tolist(),
+                    "mean_b": self.mean_b.tolist(),
+                }
+                if self.beta_knots
+                else {}
+            ),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
