@@ -182,3 +182,16 @@ def test_cli_reports_held_out_recall_and_refuses_a_bad_file(tmp_path, capsys):
     assert main([*argv, "--recall-curves", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert str(bad) in err and "\n" not in err and math.isfinite(len(err))
+
+
+def test_the_quick_bench_writes_curves_the_simulator_reads(tmp_path, keep_torch_threads):
+    """bench/recall_curves.py --quick: both halves, every measure in [0, 1], everything
+    kept at budget 1, and more kept mass at a larger budget."""
+    out = tmp_path / "curves.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    curves = RecallCurves.load(out)
+    assert curves.lengths.tolist() == list(bench.QUICK_LENGTHS)
+    assert len(curves.fit) == len(bench.QUICK_LENGTHS) * bench.QUICK_DOCS // 2
+    true = curves.heldout["true"]
+    assert np.allclose(true[:, -1], 1.0) and (np.diff(true, axis=1) >= -1e-9).all()
+    assert true[-1, 0] < 0.95  # 2048 tokens at beta 0.3 lose mass: selection dropped blocks
