@@ -8,6 +8,7 @@ a CPU with the project's own planner, DST and cost model (docs/simulate.md).
     step.py       one step of one variant: plan, budget, time, replay, reduce
     run.py        every variant over the same documents for many steps
     context.py    `--cp N`: DP x CP groups, dense/sparse attention on zigzag/balanced splits
+    heldout.py    `--recall-curves`: recall scored by measured curves held out from DST's
     report.py     JSON, markdown table, Gantt chart
 """
 
