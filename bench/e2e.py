@@ -80,13 +80,13 @@ OTHER_CPU_FLAG = 0.10  # a run is flagged when other work took more of the machi
 
 
 def _machine_busy_s() -> float:
-    """CPU seconds the whole machine has been busy (Linux /proc/stat; nan elsewhere)."""
+    """CPU seconds the machine's processes have been busy (Linux /proc/stat: user, nice,
+    system, irq, softirq; not idle, iowait or a hypervisor's steal; nan elsewhere)."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
     except (OSError, ValueError):
         return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:3]) + sum(fields[5:7])) / os.sysconf("SC_CLK_TCK")
 
 
 def _children_cpu_s() -> float:
