@@ -127,16 +127,20 @@ class RecallModel:
             (1 - v) * p[i + 1, j] + v * p[i + 1, j + 1]
         )
 
-    def _correction(self, lengths: np.ndarray, beta: np.ndarray | None) -> np.ndarray:
-        """The learned correction, linear in log2 length (and in the budget, by budget)."""
+    def _correction_rows(self, lengths: np.ndarray) -> np.ndarray:
+        """The learned correction linear in log2 length: [D], or by budget each length's
+        row over the budget knots [D, beta_knots + 1]."""
         x = self._x(lengths)
         i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
-        if not self.beta_knots:
-            return self.correction[i] + (x - i) * (self.correction[i + 1] - self.correction[i])
-        rows = self.correction_b[i] + (x - i)[..., None] * (
-            self.correction_b[i + 1] - self.correction_b[i]
+        table, u = (
+            (self.correction_b, (x - i)[..., None]) if self.beta_knots else (self.correction, x - i)
         )
-        return self._along_beta(rows, beta)
+        return table[i] + u * (table[i + 1] - table[i])
+
+    def _correction(self, lengths: np.ndarray, beta: np.ndarray) -> np.ndarray:
+        """The learned correction at (length, budget)."""
+        rows = self._correction_rows(lengths)
+        return self._along_beta(rows, beta) if self.beta_knots else rows
 
     def _along_beta(self, rows: np.ndarray, beta: np.ndarray) -> np.ndarray:
         """rows [..., beta_knots + 1] at `beta` [...], linearly between budget knots."""
@@ -166,14 +170,7 @@ class RecallModel:
         lengths = np.asarray(lengths, dtype=np.float64)
         x = self._x(lengths)
         i = np.minimum(np.floor(x).astype(np.int64), len(self.mean) - 2)
-        if self.beta_knots:
-            u = (x - i)[:, None]
-            correction = self.correction_b[i] + u * (
-                self.correction_b[i + 1] - self.correction_b[i]
-            )
-        else:
-            correction = self._correction(lengths, None)
-        return i * self._prior.shape[1], x - i, correction
+        return i * self._prior.shape[1], x - i, self._correction_rows(lengths)
 
     def predict_rows(
         self,
