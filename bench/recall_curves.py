@@ -31,7 +31,6 @@ seeds.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from context_parallel import BLOCK, synthetic_qk  # the pattern this measures
 
 from sb_titan.attention.layout import doc_ids_from_lengths
 from sb_titan.attention.recall import kept_block_mask, sample_positions
@@ -53,17 +53,6 @@ LENGTHS = tuple(2**k for k in range(7, 17))  # 128 .. 65536 tokens
 DOCS_PER_LENGTH = 8  # even: fit, odd: held out
 QUICK_LENGTHS, QUICK_DOCS = (128, 512, 2048), 2
 CURVE_SEED = 4242
-
-
-def _cp_bench():
-    """bench/context_parallel.py, whose synthetic pattern this measures."""
-    name = "cp_bench"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, REPO / "bench" / "context_parallel.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # its dataclasses look their module up while it loads
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def block_true_recall(
@@ -101,13 +90,12 @@ def block_true_recall(
 def measure_document(length: int, seed: int, betas: tuple[float, ...]) -> dict:
     """One document alone in its row: per budget, true recall, top-key hit, estimated
     recall and density, each a mean over layers (and heads, sampled queries)."""
-    cp = _cp_bench()
-    bs = cp.BLOCK
+    bs = BLOCK
     doc_id = doc_ids_from_lengths([[length]], length)
     pos = sample_positions(doc_id, bs, 1.0)[0]
     out = {k: np.zeros(len(betas)) for k in ("true", "top_key", "estimated", "density")}
     layers = 0
-    for _, q, k in cp.synthetic_qk(doc_id, seed):
+    for _, q, k in synthetic_qk(doc_id, seed):
         layers += 1
         scale = q.shape[-1] ** -0.5
         for b, beta in enumerate(betas):
