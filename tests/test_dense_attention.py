@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sb_titan.attention.block_sparse import block_sparse_backward, block_sparse_forward
+from sb_titan.attention.block_sparse import (
+    block_sparse_backward,
+    block_sparse_forward,
+    check_table,
+)
 from sb_titan.attention.dense import (
     CPU_BLOCK_SIZE,
     DenseSupport,
@@ -191,6 +195,29 @@ def test_full_table_is_the_contract():
                 assert table.q_index[lo:hi].tolist() == want
     q_ptr, q_index = transpose_table(table.kv_ptr, table.kv_index)
     assert torch.equal(q_ptr, table.q_ptr) and torch.equal(q_index, table.q_index)
+
+
+@pytest.mark.parametrize("policy", ["topk", "mass"])
+def test_nan_queries_still_give_a_valid_table(policy):
+    """torch's pipeline shape inference runs a later stage's forward on uninitialized
+    buffers, which may hold NaN: the NaN query blocks still keep their sink and
+    diagonal, in order (the kernels' contract), and every other query block keeps
+    exactly what it keeps on clean input."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 512, 16, generator=g), torch.randn(1, 2, 512, 16, generator=g)
+    doc_id = make_doc_id([[512]])
+    clean, _ = select_blocks(q, k, doc_id, 0.3, policy=policy, block_size=64)
+    q[0, :, 300:310] = float("nan")  # in query block 4
+    table, _ = select_blocks(q, k, doc_id, 0.3, policy=policy, block_size=64)
+    check_table(table, 1, 2, 512)
+    for h in range(2):
+        for i in range(8):
+            lo, hi = table.kv_ptr[0, h, i : i + 2].tolist()
+            kept = table.kv_index[lo:hi].tolist()
+            assert kept[0] == 0 and kept[-1] == i, (h, i, kept)
+            if i != 4:
+                a, b = clean.kv_ptr[0, h, i : i + 2].tolist()
+                assert kept == clean.kv_index[a:b].tolist(), (h, i)
 
 
 def test_full_table_rejects_bad_input():

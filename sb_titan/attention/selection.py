@@ -263,7 +263,9 @@ def _select_chunk(
     j = torch.arange(nb, device=dev)
     sink_i = sink[:, start : start + n]  # [B, n]
     forced = (j == i[:, None]) | (j == sink_i[:, :, None])  # [B, n, NB]
-    key = torch.where(forced[:, None], 2.0, torch.where(allowed, prob, -1.0))
+    # NaN scores (a forward on uninitialized inputs: torch's pipeline shape inference)
+    # rank as no mass, never ahead of the forced blocks: the table stays valid
+    key = torch.where(forced[:, None], 2.0, torch.where(allowed, prob.nan_to_num(0.0), -1.0))
     order = torch.argsort(key, dim=-1, descending=True, stable=True)
     sorted_prob = torch.gather(prob, -1, order)
     n_allowed = (i - sink_i + 1)[:, None]  # [B, 1, n]
