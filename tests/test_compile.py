@@ -75,19 +75,24 @@ def test_compiled_attention_matches_eager_and_counts_stats_once(policy, budget):
             module = torch.compile(module, fullgraph=True)  # a graph break is an error
         q, k, v, doc_id = _inputs()
         stats = torch.zeros(STATS_SIZE)
-        meta = AttnMeta(doc_id, torch.full((2,), budget), torch.tensor(0), stats)
+        blocks = torch.zeros(3, 2, -(-doc_id.shape[1] // 64))  # per query block
+        meta = AttnMeta(doc_id, torch.full((2,), budget), torch.tensor(0), stats, None, blocks)
         out = module(q, k, v, meta)
         out.pow(2).sum().backward()
-        results[mode] = (out.detach(), q.grad, k.grad, v.grad, stats)
+        results[mode] = (out.detach(), q.grad, k.grad, v.grad, blocks, stats)
     for eager, compiled in zip(*results.values(), strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     # [density sum, rows, ...]: one layer, two rows, counted once despite the recompute;
     # so are the sampled true-recall queries (every q head of each sampled position)
     q, _, _, doc_id = _inputs()
-    sampled = int((sample_positions(doc_id, 64, 1.0) >= 0).sum()) * q.shape[2]  # [B, L, H, D]
+    at = sample_positions(doc_id, 64, 1.0) >= 0
+    sampled = int(at.sum()) * q.shape[2]  # [B, L, H, D]
     for mode in ("eager", "compiled"):
-        stats = results[mode][-1]
+        blocks, stats = results[mode][-2:]
         assert stats[1].item() == 2 and stats[6].item() == sampled > 0, (mode, stats)
+        # ... and per query block: every q head of its sampled query, once
+        assert blocks[2].tolist() == (at * q.shape[2]).float().tolist(), mode
+        torch.testing.assert_close(blocks.sum(dim=(1, 2)), stats[4:7])
 
 
 # ------------------------------------------------------------------- training (torchrun)

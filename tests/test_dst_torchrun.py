@@ -14,6 +14,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import assert_run_digest, sample_log, torchrun
 
@@ -103,13 +104,21 @@ def _check_every_stage(dump: Path, ranks: list[int], seq_len: int, block_size: i
     return {b for budgets, _ in plan.values() for row in budgets for b in row}
 
 
+PER_DOCUMENT = ["--dst.per_document", "--dst.long_tokens", "256", "--dst.long_floor", "0.6"]
+
+
 @pytest.mark.parametrize(
     ("schedule", "extra"),
     [
         ("1F1B", []),
         # each document its own budget (documents of 256+ tokens keep at least 0.6):
-        # every stage must compute each query block at its document's
-        ("GPipe", ["--dst.per_document", "--dst.long_tokens", "256", "--dst.long_floor", "0.6"]),
+        # every stage must compute each query block at its document's. 5 steps over 12
+        # samples, so that they come back and carry the recall they measured 3 steps before
+        (
+            "GPipe",
+            [*PER_DOCUMENT, "--sab.observe_lag", "3", "--dataloader.synthetic_docs", "12"]
+            + ["--training.steps", "5"],
+        ),
         # 4 virtual stages on 2 ranks: embeddings | layer 0 | layer 1 | norm + head
         ("Interleaved1F1B", ["--parallelism.pipeline_parallel_layers_per_stage", "1"]),
     ],
@@ -139,6 +148,35 @@ def test_pp_every_stage_uses_the_plans_budget_and_layout(tmp_path, schedule, ext
         assert [e["doc_budgets"] for e in logs[0]] == [e["doc_budgets"] for e in logs[1]]
         within = [len(set(e["doc_budgets"])) > 1 for e in logs[0]]
         assert any(within), "per-document budgets should differ within a micro-batch"
+        _check_document_recalls(logs[0], lag=3, seq_len=512, block_size=64)
+
+
+def _check_document_recalls(log: list[dict], lag: int, seq_len: int, block_size: int) -> None:
+    """Each document planned after its sample trained carries the budget that sample's
+    document trained with in the latest step at least `lag` steps before (from the same
+    log; stored as float32), what its sensitive tokens kept, and the weight of its
+    sampled blocks; every
+    rank computed them from the same gathered sums (the rank check hashes the budgets
+    they chose)."""
+    trained: dict[int, list[tuple[int, float, int]]] = defaultdict(list)  # sample -> ...
+    carried = 0
+    for e in sorted(log, key=lambda e: (e["plan_step"], e["microbatch"])):
+        pieces = [p for row in e["rows"] for p in row]
+        for d, (sample, _, length) in enumerate(pieces):
+            seen = (e.get("doc_recalls") or [None] * len(pieces))[d]
+            earlier = [t for t in trained[sample] if t[0] <= e["plan_step"] - lag]
+            sensitive = (length - 2 * block_size) // block_size  # its blocks past the sink
+            if seen is not None:
+                _, budget, measured_length = earlier[-1]
+                blocks = max(measured_length - 2 * block_size, 0) / block_size
+                assert seen[0] == float(np.float32(budget)), (e["plan_step"], sample, seen)
+                assert 0 < seen[1] <= 1
+                assert seen[2] == pytest.approx(blocks / (blocks + 8.0), rel=1e-6)
+                carried += 1
+            elif earlier and sensitive > 0 and earlier[-1][2] == length:
+                raise AssertionError(f"sample {sample} came back without its recall: {e}")
+            trained[sample].append((e["plan_step"], e["doc_budgets"][d], length))
+    assert carried > 0, "no document came back with its measured recall"
 
 
 @pytest.mark.parametrize("policy", ["sequential", "sab"])

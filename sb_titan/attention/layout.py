@@ -28,6 +28,10 @@ class AttnMeta(NamedTuple):
     """Context parallelism: [B, N, NB / N] int64, the query blocks each CP rank owns
     (context_parallel.split.CPSplit.blocks); doc_id then covers the full row while the
     model's tokens are this rank's shard."""
+    sampled_blocks: torch.Tensor | None = None
+    """[3, B, NB] float32: the sampled true recall, top-key hits and pairs of each query
+    block (AttnStats.sampled_blocks), summed over the sparse layers, when the trainer
+    credits documents with their own recall ([dst] doc_history)."""
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:
@@ -71,6 +75,25 @@ def block_budgets(
     ).to(doc_id.device)
     first = doc_id[:, ::block_size].long().clamp(max=width - 1)  # [B, NB]
     return table.gather(1, first)
+
+
+def document_sums(
+    block_values: torch.Tensor, doc_id: torch.Tensor, docs_per_row: Sequence[int], block_size: int
+) -> torch.Tensor:
+    """[D, C] float64: block_values [C, B, NB] summed per document, for the documents of
+    the rows in order (row b holds docs_per_row[b] of them, then padding). A query block
+    counts toward the document of its first token, whose budget it trained with
+    (block_budgets); padding blocks count toward none."""
+    C, B, nb = block_values.shape
+    if len(docs_per_row) != B:
+        raise ValueError(f"document_sums: {len(docs_per_row)} rows of documents, values have {B}")
+    first = doc_id[:, ::block_size].long().cpu()  # [B, NB]
+    count = torch.tensor(docs_per_row, dtype=torch.int64)
+    offset = torch.cumsum(count, 0) - count  # the row's first document in the output
+    real = first < count[:, None]
+    out = torch.zeros(int(count.sum()), C, dtype=torch.float64)
+    values = block_values.detach().cpu().double().permute(1, 2, 0)  # [B, NB, C]
+    return out.index_add_(0, (offset[:, None] + first)[real], values[real])
 
 
 def doc_lens_from_doc_id(doc_id: torch.Tensor) -> list[list[int]]:

@@ -298,8 +298,8 @@ def _true_recall_op(
 @_true_recall_op.register_fake
 def _(q, k, doc_id, lse, kv_ptr, kv_index, block_size, scale, rate, lse_base2, rows=None):
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    row = q.new_empty(q.shape[0], dtype=dtype)
-    return row, torch.empty_like(row), torch.empty_like(row)
+    blocks = q.new_empty(q.shape[0], num_blocks(doc_id.shape[1], block_size), dtype=dtype)
+    return blocks, torch.empty_like(blocks), torch.empty_like(blocks)
 
 
 def measure_true_recall(
@@ -314,9 +314,9 @@ def measure_true_recall(
     lse_base2: bool,
     rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`recall.true_recall` as one graph node: [B] sums of true recall and top-key hits
-    over the sampled (query, head) pairs, and their count (lse None: the kept log-sum-exp
-    is computed for the sampled queries too)."""
+    """`recall.true_recall` as one graph node: [B, NB] sums of true recall and top-key
+    hits over each query block's sampled (query, head) pairs, and their count (lse None:
+    the kept log-sum-exp is computed for the sampled queries too)."""
     lse = None if lse is None else lse.detach()
     return _true_recall_op(
         q.detach(), k.detach(), doc_id, lse, table.kv_ptr, table.kv_index,

@@ -159,8 +159,9 @@ def true_recall(
     lse_base2: bool = False,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(true recall sum, top-key hits, sampled pairs), each [B] fp32 (fp64 for fp64),
-    over the sampled queries and all q heads. lse_kept: [B, Hq, L] the forward's
+    """(true recall sum, top-key hits, sampled pairs), each [B, NB] fp32 (fp64 for fp64):
+    per query block, over its sampled query and all q heads (per block, so the trainer
+    can credit each document with its own blocks' recall). lse_kept: [B, Hq, L] the forward's
     log-sum-exp over the kept blocks (base 2 from the Triton kernels: lse_base2), or
     None: computed here for the sampled queries alone."""
     B, Hq, L, _ = q.shape
@@ -180,9 +181,9 @@ def true_recall(
     heads = torch.arange(Hq, device=q.device) // (Hq // Hkv)
     hit = kept_pairs(kv_ptr, kv_index, heads, qb, top // block_size)
     v = valid[:, None].expand(B, Hq, -1)
-    recall = torch.where(v, recall, 0.0).sum(dim=(1, 2))
-    hits = (hit & v).sum(dim=(1, 2)).to(recall.dtype)
-    return recall, hits, v.sum(dim=(1, 2)).to(recall.dtype)
+    recall = torch.where(v, recall, 0.0).sum(dim=1)
+    hits = (hit & v).sum(dim=1).to(recall.dtype)
+    return recall, hits, v.sum(dim=1).to(recall.dtype)
 
 
 def _work_dtype(x: torch.Tensor) -> torch.dtype:

@@ -110,9 +110,12 @@ class AttnStats(NamedTuple):
     density: torch.Tensor  # [B] float32: kept block pairs / allowed block pairs
     recall: torch.Tensor  # [B] float32: kept est. mass, mean over attending query tokens
     tokens: torch.Tensor  # [B] float32: attending query tokens (what recall averages over)
-    true_recall: torch.Tensor  # [B]: summed exact kept mass of sampled (query, head) pairs
-    top_hit: torch.Tensor  # [B]: sampled pairs whose key of greatest true probability was kept
-    samples: torch.Tensor  # [B]: sampled (query, head) pairs (0: not measured)
+    # [B, NB] per query block once measured ([B] zeros before): summed exact kept mass of
+    # sampled (query, head) pairs, those whose key of greatest true probability was kept,
+    # and the pairs (0: not measured)
+    true_recall: torch.Tensor
+    top_hit: torch.Tensor
+    samples: torch.Tensor
 
     @classmethod
     def estimated(cls, density, recall, tokens) -> AttnStats:
@@ -126,6 +129,11 @@ class AttnStats(NamedTuple):
         rows = self.density.new_tensor(self.density.numel())
         est = [self.density.sum(), rows, (self.recall * self.tokens).sum(), self.tokens.sum()]
         return torch.stack(est + [self.true_recall.sum(), self.top_hit.sum(), self.samples.sum()])
+
+    def sampled_blocks(self) -> torch.Tensor:
+        """[3, B, NB] float32: the sampled sums per query block (true recall, top-key
+        hits, pairs), which add up over layers and CP shards (row coordinates)."""
+        return torch.stack([self.true_recall, self.top_hit, self.samples]).float()
 
 
 def cp_share(totals: torch.Tensor, degree: int) -> torch.Tensor:

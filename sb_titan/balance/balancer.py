@@ -258,6 +258,10 @@ class Balancer:
             recall.update(m.recall_observations(plan, recall.block_size, recall.measure))
         ids, densities = m.sample_densities(plan)
         self.planner.observe(ids, densities, step=plan.step)
+        if model is not None and self.dst.learns_doc_history and m.doc_sampled:
+            measure, half = model.recall_model.measure, self.dst.doc_history_blocks
+            ids, rows = m.document_recalls(plan, model.block_size, measure, half)
+            self.planner.observe_recalls(ids, rows, step=plan.step)
         if self._snapshots is not None:
             self._snapshots.publish(plan.step, model)
         return predicted

@@ -11,6 +11,15 @@ predicts a step's recall) over a grid of budgets plus the micro-batch's own, so 
 equal split at the micro-batch's budget is always a candidate and the allocation never
 predicts less recall in the same time.
 
+A document whose sample was trained before carries its measured recall in the plan
+(`MicroBatchPlan.recalls`, `[dst] doc_history`). Its sensitivity then scales its curve:
+at every budget it loses the mass the recall model predicts for its length, times the
+ratio it lost to the predicted loss at the budget it trained with (to the power of the
+measurement's weight, so a few sampled blocks move it little). So a document that lost
+twice what the model expected gains twice the recall per step of budget, and the
+allocation gives it budget first: a constant shift of the curve would change no
+document's marginal recall.
+
 With the `recall` anchor, micro-batch DST already holds the step's predicted recall at
 beta0's; the recall per-document budgets add is then taken back as time: every
 micro-batch's target is the same share of its attention seconds, the lowest share (a
@@ -32,10 +41,12 @@ import numpy as np
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.doc_budgets import DocAllocator, DocBudgetConfig
 from sb_titan.balance.dst import DSTConfig, DSTDecision
-from sb_titan.balance.sab import StepPlan
+from sb_titan.balance.sab import MicroBatchPlan, StepPlan
 
 GRID = tuple(k / 100 for k in range(1, 101))  # budgets a document may take (and its own)
 _SCALE_STEPS = 12  # the recall anchor's share is found to 2**-12 of the attention time
+_LOSS_FLOOR = 1e-3  # lost mass below this counts as this: a ratio of two near-zero
+# losses says nothing, and would scale a document's curve without bound
 
 
 class DocDecision(NamedTuple):
@@ -80,18 +91,39 @@ class _StepCurves:
         self.own = np.array([b for rank in budgets for b in rank], dtype=np.float64)
         own_doc = np.repeat(self.own, counts)
         self.grid = np.array([g for g in GRID if cfg.beta_min <= g <= cfg.beta_max])
+        self.history = self._history(mbs, model) if cfg.learns_doc_history else None
         cols = [*self.grid, own_doc]  # the last column: each document at its micro-batch's
         self.seconds = np.stack(
             [model.document_seconds(self.lengths, g, policy) for g in cols], axis=1
         )
-        self.recall = np.stack([self._recall(model, g) for g in cols], axis=1)
+        self.recall = np.stack([self.recall_at(model, g) for g in cols], axis=1)
 
-    def _recall(self, model: CostModel, beta: float | np.ndarray) -> np.ndarray:
+    def _history(self, mbs: list[MicroBatchPlan], model: CostModel) -> np.ndarray | None:
+        """[D] how sensitive each document's last measured recall says it is: the mass
+        its sensitive tokens lost at the budget it trained with over what the recall
+        model predicts they lose there, to the power of the measurement's weight (1 for
+        documents never measured). None when no document of the step was."""
+        seen = [mb.recalls or [[math.nan] * 3] * len(mb.doc_lens) for mb in mbs]
+        rows = np.array([r for mb in seen for r in mb], dtype=np.float64).reshape(-1, 3)
+        known = ~np.isnan(rows[:, 0])
+        if not known.any():
+            return None
+        beta, kept, weight = rows[known].T
+        predicted = model.recall_model.predict(beta, self.lengths[known].astype(np.float64))
+        lost = np.maximum(1.0 - kept, _LOSS_FLOOR) / np.maximum(1.0 - predicted, _LOSS_FLOOR)
+        out = np.ones(self.lengths.size)
+        out[known] = lost**weight
+        return out
+
+    def recall_at(self, model: CostModel, beta: float | np.ndarray) -> np.ndarray:
         """Predicted recall of each document: its first two blocks keep everything, the
-        rest what the recall model predicts (dst.recalled_tokens, per document)."""
+        rest what the recall model predicts (dst.recalled_tokens, per document),
+        corrected by the document's own history where it has one."""
         length = self.lengths.astype(np.float64)
         sensitive = np.maximum(0.0, length - 2 * model.block_size)
         kept = model.recall_model.predict(beta, length) if length.size else length
+        if self.history is not None:  # it loses what the model says, scaled by its history
+            kept = np.clip(1.0 - (1.0 - kept) * self.history, 0.0, 1.0)
         return np.where(length >= 2, (length - sensitive + sensitive * kept) / length, 1.0)
 
     def microbatch(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -144,7 +176,11 @@ def step_doc_budgets(
     scale = 1.0
     betas, recalled = at(scale)
     if cfg.enabled and cfg.anchor == "recall" and decision is not None:
-        need = math.fsum(decision.recalled_tokens_static) * (1 - 1e-12)
+        static = decision.recalled_tokens_static
+        if curves.history is not None:  # beta0's recall as the same curves predict it
+            weight = np.where(curves.lengths >= 2, curves.lengths, 0)
+            static = (weight * curves.recall_at(model, cfg.beta0)).tolist()
+        need = math.fsum(static) * (1 - 1e-12)
         scale, betas, recalled = _lowest_scale(at, need, scale, betas, recalled)
     flat = iter(b.tolist() for b in betas)
     nested = [[next(flat) for _ in range(n)] for n in curves.shape]

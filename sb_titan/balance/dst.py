@@ -88,6 +88,21 @@ class DSTConfig:
     documents that long-context training is for)."""
     long_floor: float = 0.5
     """Per-document budgets: the lowest budget of a long document."""
+    doc_history: bool = True
+    """Per-document budgets: credit each document with the recall its own sampled
+    queries measured (true recall or top-key hits, as `recall_measure` says) and, the
+    next time its sample is planned, correct the recall model's curve for it by what it
+    missed or beat the model by (SAB's per-sample densities, for recall). Off, or with
+    the `estimated` measure: a document's predicted recall depends on its length alone."""
+    doc_history_blocks: float = 8.0
+    """Per-document budgets: how many sampled query blocks a document's own measurement
+    needs to count as much as the recall model's prediction for its length (its weight
+    is b / (b + doc_history_blocks) for b sampled blocks)."""
+
+    @property
+    def learns_doc_history(self) -> bool:
+        """Whether documents are credited with their own measured recall."""
+        return self.per_document and self.doc_history and self.recall_measure != "estimated"
 
     @property
     def recall_beta_knots(self) -> int:
@@ -112,6 +127,9 @@ class DSTConfig:
                 f"dst: need long_tokens >= 1 and 0 < long_floor <= beta_max, got "
                 f"{self.long_tokens}, {self.long_floor} (beta_max {self.beta_max})"
             )
+        half = self.doc_history_blocks
+        if not (math.isfinite(half) and half > 0):
+            raise ValueError(f"dst.doc_history_blocks must be a finite number > 0, got {half!r}")
         if not self.beta_min <= self.beta0 <= self.beta_max:
             raise ValueError(
                 "dst: need beta_min <= beta0 <= beta_max, got "

@@ -34,14 +34,34 @@ class StepMeasurements:
     density partial sums: the same denominator on every CP rank of a row)."""
     sampled: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
     """(dp, mb) -> (true recall sum, top-key hits, sampled pairs) of its sampled queries."""
+    doc_sampled: dict[tuple[int, int], list[tuple[float, float, float]]] = field(
+        default_factory=dict
+    )
+    """(dp, mb) -> the same sums for each of its documents, in `doc_lens` order (the
+    trainer credits a query block to the document of its first token)."""
+    doc_budgets: list[list[list[float]]] | None = None
+    """[dp][mb][document] budgets under per-document DST (None: the micro-batch's)."""
+    sample_rate: float = 1.0
+    """The share of query blocks whose queries were sampled (true_recall_rate)."""
 
     @classmethod
-    def from_gathered(cls, gathered: list[dict], plan: StepPlan, budgets) -> StepMeasurements:
+    def from_gathered(
+        cls,
+        gathered: list[dict],
+        plan: StepPlan,
+        budgets,
+        doc_budgets: list[list[list[float]]] | None = None,
+        sample_rate: float = 1.0,
+    ) -> StepMeasurements:
         seconds: dict[tuple[int, int], float] = {}
         rank_compute: dict[tuple[int, int], float] = {}
         sums: dict[tuple[int, int], list[float]] = {}
         cp_kept: dict[tuple[int, int], dict[int, float]] = {}
+        docs: dict[tuple[int, int], np.ndarray] = {}
         for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g.get("cp", 0))):
+            for mb, values in g.get("doc_sampled", {}).items():  # stages and shards add
+                key = (g["dp"], int(mb))
+                docs[key] = docs.get(key, 0.0) + np.asarray(values, dtype=np.float64)
             cp = g.get("cp", 0)
             stage = (g["dp"], g["pp"])  # CP ranks of a stage wait for each other: max
             rank_compute[stage] = max(rank_compute.get(stage, 0.0), sum(g["seconds"].values()))
@@ -62,7 +82,15 @@ class StepMeasurements:
         pp = 1 + max(g["pp"] for g in gathered)
         kept = {k: [v[r] for r in sorted(v)] for k, v in cp_kept.items() if len(v) > 1}
         sampled = {k: tuple(v[_SAMPLED]) for k, v in sums.items() if v[_SAMPLED][-1] > 0}
-        return cls(seconds, rank_compute, step, density, recall, budgets, pp, kept, sampled)
+        doc_sampled = {
+            k: [tuple(row) for row in v.tolist()]
+            for k, v in docs.items()
+            if v.size and v[:, 2].any()
+        }
+        return cls(
+            seconds, rank_compute, step, density, recall, budgets, pp, kept, sampled,
+            doc_sampled, doc_budgets, sample_rate,
+        )  # fmt: skip
 
     def observations(self, plan: StepPlan) -> list[LatencyObservation]:
         out = []
@@ -103,6 +131,34 @@ class StepMeasurements:
                 if obs is not None:
                     out.append((self.budgets[dp][mb], *obs))
         return out
+
+    def document_recalls(
+        self, plan: StepPlan, block_size: int, measure: str, half_blocks: float
+    ) -> tuple[list[int], np.ndarray]:
+        """(sample ids, rows [budget, kept mass, weight]) of the documents whose own
+        sampled queries were measured: the budget it trained with (its own under
+        per-document budgets, else its micro-batch's), the mass its budget-sensitive
+        tokens kept (dst.sensitive_recall of its own recall, true or top-key hits as
+        `measure` says; estimated recall is not measured per document), and the weight
+        of so few samples against the recall model: b / (b + half_blocks) for the b
+        query blocks its sensitive tokens span, sampled at `sample_rate`."""
+        ids: list[int] = []
+        rows: list[list[float]] = []
+        field = 1 if measure == "top_key" else 0
+        for (dp, mb), sums in sorted(self.doc_sampled.items()):
+            pieces = [p for row in plan.microbatches[dp][mb].rows for p in row]
+            own = self.doc_budgets[dp][mb] if self.doc_budgets is not None else None
+            for d, (piece, values) in enumerate(zip(pieces, sums, strict=True)):
+                if values[2] <= 0:
+                    continue
+                got = sensitive_recall([piece.length], values[field] / values[2], block_size)
+                if got is None:  # no budget-sensitive tokens: nothing a budget changes
+                    continue
+                blocks = self.sample_rate * max(piece.length - 2 * block_size, 0) / block_size
+                budget = own[d] if own is not None else self.budgets[dp][mb]
+                ids.append(piece.sample_id)
+                rows.append([budget, got[1], blocks / (blocks + half_blocks)])
+        return ids, np.asarray(rows, dtype=np.float64).reshape(-1, 3)
 
     def sample_densities(self, plan: StepPlan) -> tuple[list[int], list[float]]:
         ids, dens = [], []

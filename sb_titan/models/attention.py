@@ -19,7 +19,7 @@ from sb_titan.attention.backends import BACKENDS, Backend, estimator_for, resolv
 from sb_titan.attention.block_scores import ORACLES, SCORERS, Scorer
 from sb_titan.attention.dense import dense_document_attention
 from sb_titan.attention.layout import AttnMeta
-from sb_titan.attention.selection import POLICIES, Policy, cp_share
+from sb_titan.attention.selection import POLICIES, AttnStats, Policy, cp_share
 from sb_titan.attention.sparse import sparse_attention
 from sb_titan.compat.autograd import in_backward_recompute
 from sb_titan.context_parallel.attention import cp_attention
@@ -136,7 +136,7 @@ class SBAttention(Module):
                 scorer=self.config.scorer,
                 true_recall_rate=self._true_recall_rate(),
             )
-            _add_stats(meta, stats.totals())
+            _add_stats(meta, stats)
         else:
             out = dense_document_attention(q, k, v, meta.doc_id, scale)
         if self.recorder is not None and out.requires_grad:
@@ -162,7 +162,7 @@ class SBAttention(Module):
             true_recall_rate=self._true_recall_rate(),
         )  # fmt: skip
         if stats is not None:  # a shard's density and recall sums; its share of the rows
-            _add_stats(meta, cp_share(stats.totals(), split.degree))
+            _add_stats(meta, stats, split.degree)
         return out
 
     def _true_recall_rate(self) -> float:
@@ -184,6 +184,13 @@ def _counts_as_training() -> bool:
     return torch.compiler.is_compiling() or not in_backward_recompute()
 
 
-def _add_stats(meta: AttnMeta, totals: torch.Tensor) -> None:
-    if meta.stats is not None and _counts_as_training():
-        meta.stats.add_(totals)
+def _add_stats(meta: AttnMeta, stats: AttnStats, cp_degree: int = 1) -> None:
+    """Add a layer's statistics into the micro-batch's tensors (a CP shard counts
+    1 / cp_degree of each row); per query block only where sampled ones were measured."""
+    if not _counts_as_training():
+        return
+    if meta.stats is not None:
+        totals = stats.totals()
+        meta.stats.add_(totals if cp_degree == 1 else cp_share(totals, cp_degree))
+    if meta.sampled_blocks is not None and stats.samples.dim() == 2:
+        meta.sampled_blocks.add_(stats.sampled_blocks())

@@ -15,18 +15,32 @@ from sb_titan.attention.selection import STATS_SIZE
 
 _HEADER = 5  # dp, pp, cp, step_seconds, micro-batches per step
 _ROW = 3 + STATS_SIZE  # timed?, seconds, stats?, then the stats in STATS_FIELDS order
+DOC_FIELDS = 3  # per document: sampled true recall sum, top-key hits, sampled pairs
+DocCounts = list[list[int]]  # [dp rank][micro-batch]: documents, in the plan's order
 
 
-def measurement_size(microbatches: int) -> int:
-    """Length of one rank's encoded measurements for a step of `microbatches`."""
-    return _HEADER + _ROW * microbatches
+def measurement_size(microbatches: int, doc_counts: DocCounts | None = None) -> int:
+    """Length of one rank's encoded measurements for a step of `microbatches`; with
+    `doc_counts` ([dp rank][micro-batch] documents, from the plan), room for the sampled
+    sums of as many documents as any DP rank's micro-batches hold (every rank sends the
+    same length)."""
+    return _HEADER + _ROW * microbatches + DOC_FIELDS * _doc_slots(doc_counts)
 
 
-def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
+def _doc_slots(doc_counts: DocCounts | None) -> int:
+    return max((sum(rank) for rank in doc_counts), default=0) if doc_counts else 0
+
+
+def encode_measurements(
+    local: dict, microbatches: int, doc_counts: DocCounts | None = None
+) -> torch.Tensor:
     """One rank's measurements ({"dp", "pp", "seconds", "stats", "step_seconds"}, and "cp"
-    under context parallelism: absent means 0) as a
-    float64 vector of measurement_size(microbatches). A micro-batch this rank did not time
-    or has no stats for is flagged absent (a PP stage or rank sees only some)."""
+    under context parallelism: absent means 0) as a float64 vector of
+    measurement_size(microbatches, doc_counts). A micro-batch this rank did not time
+    or has no stats for is flagged absent (a PP stage or rank sees only some). With
+    `doc_counts`, local["doc_sampled"][mb] holds each document of micro-batch mb's
+    DOC_FIELDS sums (layout.document_sums), micro-batch after micro-batch; zeros where
+    absent, as the sums of a document add up over stages and CP shards."""
     rows = [[0.0] * _ROW for _ in range(microbatches)]
 
     def row(mb: int) -> list[float]:
@@ -42,13 +56,26 @@ def encode_measurements(local: dict, microbatches: int) -> torch.Tensor:
         row(mb)[2:_ROW] = [1.0, *v]
     header = [local["dp"], local["pp"], local.get("cp", 0), local["step_seconds"], microbatches]
     flat = [float(x) for x in header] + [x for row in rows for x in row]
-    return torch.tensor(flat, dtype=torch.float64)
+    docs = [0.0] * (DOC_FIELDS * _doc_slots(doc_counts))
+    at = 0
+    for mb, n in enumerate(doc_counts[local["dp"]] if doc_counts else []):
+        sums = local.get("doc_sampled", {}).get(mb)
+        if sums is not None:
+            if len(sums) != n or any(len(v) != DOC_FIELDS for v in sums):
+                raise ValueError(f"micro-batch {mb}: expected {n} documents x {DOC_FIELDS} sums")
+            docs[at : at + DOC_FIELDS * n] = [float(x) for v in sums for x in v]
+        at += DOC_FIELDS * n
+    return torch.tensor(flat + docs, dtype=torch.float64)
 
 
-def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]:
+def decode_measurements(
+    gathered: torch.Tensor, microbatches: int, doc_counts: DocCounts | None = None
+) -> list[dict]:
     """Every rank's measurements from the all-gathered vectors (world x size, any shape
-    that flattens to it), in the form StepMeasurements.from_gathered takes."""
-    size = measurement_size(microbatches)
+    that flattens to it), in the form StepMeasurements.from_gathered takes (with
+    `doc_counts`, "doc_sampled" holds every micro-batch of the rank's DP rank)."""
+    size = measurement_size(microbatches, doc_counts)
+    table = _HEADER + _ROW * microbatches
     flat = gathered.detach().reshape(-1).cpu().tolist()
     if len(flat) % size:
         raise ValueError(f"gathered measurements: {len(flat)} values, not a multiple of {size}")
@@ -57,17 +84,23 @@ def decode_measurements(gathered: torch.Tensor, microbatches: int) -> list[dict]
         dp, pp, cp, step_seconds, n = flat[at : at + _HEADER]
         if n != microbatches:
             raise ValueError(f"rank sent {n:g} micro-batches per step, expected {microbatches}")
-        rows = [flat[i : i + _ROW] for i in range(at + _HEADER, at + size, _ROW)]
-        out.append(
-            {
-                "dp": int(dp),
-                "pp": int(pp),
-                "cp": int(cp),
-                "seconds": {mb: r[1] for mb, r in enumerate(rows) if r[0]},
-                "stats": {mb: r[3:_ROW] for mb, r in enumerate(rows) if r[2]},
-                "step_seconds": step_seconds,
-            }
-        )
+        rows = [flat[i : i + _ROW] for i in range(at + _HEADER, at + table, _ROW)]
+        got = {
+            "dp": int(dp),
+            "pp": int(pp),
+            "cp": int(cp),
+            "seconds": {mb: r[1] for mb, r in enumerate(rows) if r[0]},
+            "stats": {mb: r[3:_ROW] for mb, r in enumerate(rows) if r[2]},
+            "step_seconds": step_seconds,
+        }
+        if doc_counts:
+            got["doc_sampled"], i = {}, at + table
+            for mb, count in enumerate(doc_counts[int(dp)]):
+                got["doc_sampled"][mb] = [
+                    flat[j : j + DOC_FIELDS] for j in range(i, i + DOC_FIELDS * count, DOC_FIELDS)
+                ]
+                i += DOC_FIELDS * count
+        out.append(got)
     return out
 
 

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ from sb_titan.runtime.checkpoint import IntegrityCheckpointManager
 from sb_titan.runtime.console import SBMetricsProcessor
 from sb_titan.runtime.context import RunContext
 from sb_titan.runtime.cp_split import CPSplitter
+from sb_titan.runtime.doc_credit import DocumentCredit
 from sb_titan.runtime.measure import BlockClock, instrument_blocks
 from sb_titan.runtime.measurements import (
     all_gather_flat,
@@ -94,8 +96,13 @@ class SBTrainer(Trainer):
         self._step_plan: StepPlan | None = None
         self._budgets: list[list[float]] = []
         self._decision: DSTDecision | None = None
+        self._doc_decision: DocDecision | None = None
         self._snapshot = ""  # which cost-model snapshot planned the current step
         self._mb_stats: dict[int, torch.Tensor] = {}  # micro-batch -> AttnStats totals
+        sparse = config.sparse_attention
+        self._doc_credit = None  # documents credited with their own recall ([dst] doc_history)
+        if config.dst.learns_doc_history and sparse.enabled and sparse.true_recall_rate > 0:
+            self._doc_credit = DocumentCredit(sparse.block_size)
         self._cp_predicted: dict[int, float] = {}  # micro-batch -> predicted CP imbalance
         cp = config.parallelism.context_parallel_degree > 1
         self._cp_split = CPSplitter.from_config(config, model) if cp else None
@@ -161,7 +168,11 @@ class SBTrainer(Trainer):
             self.ntokens_seen += labels.numel()
         stats = self._mb_stats[mb_index] = positions.new_zeros(STATS_SIZE, dtype=torch.float32)
         mb = torch.tensor(mb_index)
-        extra["attention_masks"] = AttnMeta(doc_id, block_budget, mb, stats, cp_blocks)
+        sampled = None
+        if self._doc_credit is not None:
+            docs_per_row = [len(row) for row in plan.microbatches[self._dp_rank()][mb_index].rows]
+            sampled = self._doc_credit.buffer(mb_index, doc_id, docs_per_row)
+        extra["attention_masks"] = AttnMeta(doc_id, block_budget, mb, stats, cp_blocks, sampled)
         return inputs, labels, extra
 
     def _take_step(self, scheduled: ScheduledStep) -> None:
@@ -170,6 +181,7 @@ class SBTrainer(Trainer):
             return
         self._step_plan, self._budgets = scheduled.plan, scheduled.budgets
         self._decision, self._snapshot = scheduled.decision, scheduled.snapshot
+        self._doc_decision = scheduled.doc_budgets
         if self.config.dst.verify_ranks:
             self._verify_budgets(scheduled)
 
@@ -214,6 +226,8 @@ class SBTrainer(Trainer):
         elastic.maybe_inject_fault(self.step)
         self._clock.reset()
         self._mb_stats, self._cp_predicted = {}, {}
+        if self._doc_credit is not None:
+            self._doc_credit.reset()
         t0 = _now(self.device)
         super().train_step(data_iterator)  # TorchTitan's step line waits for finish_step
         self.metrics_processor.finish_step(self.step, self._after_step(_now(self.device) - t0))
@@ -225,6 +239,7 @@ class SBTrainer(Trainer):
         totals = torch.stack([self._mb_stats[mb] for mb in mbs]).tolist() if mbs else []
         stats = {mb: v for mb, v in zip(mbs, totals, strict=True) if v[1] > 0}
         return {
+            "doc_sampled": self._doc_credit.local() if self._doc_credit is not None else {},
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
             "cp": self._cp_rank(),
@@ -236,13 +251,19 @@ class SBTrainer(Trainer):
     def _after_step(self, step_seconds: float) -> dict[str, Any] | None:
         """Gather every rank's measurements; all ranks then do identical work with them.
         Returns the recipe's metrics of a step TorchTitan logs."""
-        local = encode_measurements(self._local_measurements(step_seconds), self._microbatches)
-        gathered = all_gather_flat(local.to(self.device))
         plan = self._step_plan
+        counts = None  # documents per (DP rank, micro-batch): room for their own sums
+        if self._doc_credit is not None and plan is not None:
+            counts = DocumentCredit.counts(plan)
+        local = self._local_measurements(step_seconds)
+        local = encode_measurements(local, self._microbatches, counts)
+        gathered = all_gather_flat(local.to(self.device))
         if plan is None:
             return None
-        gathered = decode_measurements(gathered, self._microbatches)
-        m = StepMeasurements.from_gathered(gathered, plan, self._budgets)
+        gathered = decode_measurements(gathered, self._microbatches, counts)
+        per_doc = self._doc_decision.budgets if self._doc_decision is not None else None
+        rate = self.config.sparse_attention.true_recall_rate
+        m = StepMeasurements.from_gathered(gathered, plan, self._budgets, per_doc, rate)
         # Step 1 carries one-off work in its block times (torch.compile, Triton JIT,
         # allocator growth): never fit to it. A resumed process's first step is
         # fitted like any other (the refit is damped), so resume stays exact.
@@ -319,7 +340,8 @@ class SBTrainer(Trainer):
     def _log_samples(
         self, plan: StepPlan, mb_index: int, budget: float, per_doc: DocDecision | None
     ) -> None:
-        rows = plan.microbatches[self._dp_rank()][mb_index].rows
+        mb = plan.microbatches[self._dp_rank()][mb_index]
+        rows = mb.rows
         record = {
             "step": self.step,
             "plan_step": plan.step,
@@ -332,6 +354,8 @@ class SBTrainer(Trainer):
         }
         if per_doc is not None:  # absent without it, so that earlier logs read the same
             record["doc_budgets"] = per_doc.budgets[self._dp_rank()][mb_index]
+        if mb.recalls is not None:  # each document's last measured recall (None: never)
+            record["doc_recalls"] = [None if math.isnan(r[0]) else r for r in mb.recalls]
         with open(self._rank_file("samples"), "a") as f:
             f.write(json.dumps(record) + "\n")
 

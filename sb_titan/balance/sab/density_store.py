@@ -1,5 +1,7 @@
 """Densities observed per sample, visible to the planner only from the step they
-take effect, so prefetch timing can never make ranks plan differently."""
+take effect, so prefetch timing can never make ranks plan differently. The same store
+keeps each sample's last measured recall (`columns=3`: budget, kept mass, weight) for
+per-document budgets ([dst] doc_history)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,9 @@ class DensityStore:
     overwrote for REWIND_STEPS steps, so a restored, older planner state re-plans exactly.
     """
 
-    def __init__(self, num_samples: int) -> None:
+    def __init__(self, num_samples: int, columns: int = 1) -> None:
         self.num_samples = num_samples
+        self.columns = columns  # values per sample (1: a vector of densities)
         self.values: np.ndarray | None = None  # float32, NaN = never observed
         self.log: list[_Observed] = []
         self.applied_through = -1  # entries with at_step <= this are in `values`
@@ -50,6 +53,11 @@ class DensityStore:
             )
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_samples):
             raise ValueError(f"sab: observed sample id out of range [0, {self.num_samples})")
+        if values.shape[1:] != self._shape[1:] or len(values) != len(ids):
+            raise ValueError(
+                f"sab: need {self._shape[1:] or 'one'} value(s) per id, got {values.shape} "
+                f"for {len(ids)} ids"
+            )
         if not np.all((values > 0) & (values <= 1)):
             raise ValueError("sab: observed densities must lie in (0, 1]")
         ids, last = np.unique(ids[::-1], return_index=True)  # a repeated id: last one wins
@@ -62,7 +70,7 @@ class DensityStore:
         for e in self.log:
             if e.previous is None and e.at_step <= step:
                 if self.values is None:
-                    self.values = np.full(self.num_samples, np.nan, dtype=np.float32)
+                    self.values = np.full(self._shape, np.nan, dtype=np.float32)
                 e.previous = self.values[e.ids]
                 self.values[e.ids] = e.values
         self.applied_through = max(self.applied_through, step)
@@ -86,8 +94,12 @@ class DensityStore:
     def lookup(self, ids: Sequence[int]) -> np.ndarray:
         """Visible observed densities of `ids` (NaN where never observed)."""
         if self.values is None:
-            return np.full(len(ids), np.nan, dtype=np.float32)
+            return np.full((len(ids), *self._shape[1:]), np.nan, dtype=np.float32)
         return self.values[np.asarray(ids, dtype=np.int64)]
+
+    @property
+    def _shape(self) -> tuple[int, ...]:
+        return (self.num_samples,) if self.columns == 1 else (self.num_samples, self.columns)
 
     def state_dict(self) -> dict:
         return {

@@ -23,6 +23,10 @@ class MicroBatchPlan:
     predicted_s: float = 0.0
     densities: list[float] = field(default_factory=list)
     """Expected density of each piece, in `doc_lens` order (what `predicted_s` used)."""
+    recalls: list[list[float]] | None = None
+    """Each piece's sample's last measured recall, in `doc_lens` order: [budget, kept
+    mass of its budget-sensitive tokens, weight], NaN where never measured; None when no
+    sample of the run has been (sab.Planner.observe_recalls)."""
 
     @property
     def doc_lens(self) -> list[int]:

@@ -100,6 +100,7 @@ class Planner:
         self._mean_yield = max(float(self._yields.mean()), 1.0)
         self.state = _State()
         self.densities = DensityStore(len(self.lengths))
+        self.recalls = DensityStore(len(self.lengths), columns=3)  # see observe_recalls
         self._lock = threading.Lock()
         self._order_cache: tuple[int, np.ndarray] | None = None
 
@@ -182,6 +183,15 @@ class Planner:
         with self._lock:
             self.densities.add(step + self.config.observe_lag, ids, values)
 
+    def observe_recalls(self, sample_ids: Sequence[int], values: np.ndarray, step: int) -> None:
+        """Recall measured per document while training the plan of step `step`: rows of
+        (budget, kept mass of its budget-sensitive tokens, weight of the measurement in
+        (0, 1)), each in (0, 1]. Plans from step `step + sab.observe_lag` on carry them
+        (MicroBatchPlan.recalls), as they carry densities."""
+        ids = np.asarray(sample_ids, dtype=np.int64).reshape(-1)
+        with self._lock:
+            self.recalls.add(step + self.config.observe_lag, ids, np.asarray(values))
+
     def expected_densities(self, pieces: Sequence[Piece]) -> list[float]:
         """Last observed density of each piece's sample, else the prior at its length."""
         seen = self.densities.lookup([p.sample_id for p in pieces]).astype(np.float64)
@@ -197,6 +207,7 @@ class Planner:
     def next_step(self) -> StepPlan:
         with self._lock:
             self.densities.visible_at(self.state.step)
+            self.recalls.visible_at(self.state.step)
             epoch = self.state.epoch
             if self.config.policy == "sequential":
                 bins = self._plan_sequential()
@@ -293,6 +304,9 @@ class Planner:
             rank_mbs = []
             for b in range(r * self.microbatches, (r + 1) * self.microbatches):
                 mb = MicroBatchPlan(rows=bins[b], densities=dens[b])
+                if self.recalls.values is not None:  # any document's measured recall
+                    ids = [p.sample_id for row in bins[b] for p in row]
+                    mb.recalls = self.recalls.lookup(ids).astype(np.float64).tolist()
                 mb.predicted_s = float(self.cost_fn(mb.doc_lens, dens[b]))
                 rank_mbs.append(mb)
             mbs.append(rank_mbs)
@@ -314,7 +328,7 @@ class Planner:
                 "seed": self.config.seed,
             }
             if observations:
-                state["observations"] = self.densities.state_dict()
+                state["observations"] = self._observation_state()
             return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -332,15 +346,27 @@ class Planner:
                 dropped=state["dropped"],
             )
             if "observations" in state:
-                self.densities.load_state_dict(state["observations"])
+                self._load_observation_state(state["observations"])
 
     def observation_state(self) -> dict:
-        """The density store alone (checkpoint it live, beside per-item snapshots)."""
+        """The observation stores: densities, and per-document recalls under "recalls"
+        (checkpoint them live, beside per-item snapshots)."""
         with self._lock:
-            return self.densities.state_dict()
+            return self._observation_state()
 
     def load_observation_state(self, state: dict) -> None:
-        """Restore a live density store; it may run ahead of the planner state (restored
+        """Restore live observation stores; they may run ahead of the planner state (restored
         before or after it): the next step shows only what that step may see."""
         with self._lock:
-            self.densities.load_state_dict(state)
+            self._load_observation_state(state)
+
+    def _observation_state(self) -> dict:
+        return {**self.densities.state_dict(), "recalls": self.recalls.state_dict()}
+
+    def _load_observation_state(self, state: dict) -> None:
+        """The density store's keys, and the recall store's under "recalls" (absent in
+        checkpoints written before per-document recall: none observed yet)."""
+        self.densities.load_state_dict(state)
+        self.recalls = DensityStore(self.recalls.num_samples, columns=3)
+        if "recalls" in state:
+            self.recalls.load_state_dict(state["recalls"])
