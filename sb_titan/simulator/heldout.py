@@ -107,10 +107,24 @@ class RecallCurves:
         """Held-out recall per scored measure of documents `lengths` at budgets `betas`
         (one each): the token-weighted mean over attending documents (>= 2 tokens)."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        betas = np.asarray(betas, dtype=np.float64)
         weight = np.where(lengths >= 2, lengths, 0.0)
         if weight.sum() == 0:
             return dict.fromkeys(SCORED, 1.0)
+        return {
+            m: float((weight * self.per_document(lengths, betas, m)).sum() / weight.sum())
+            for m in SCORED
+        }
+
+    def per_document(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        betas: Sequence[float] | np.ndarray,
+        measure: str = "true",
+    ) -> np.ndarray:
+        """Each document's held-out `measure` at its budget: the mean held-out curve of
+        its length, linear in the budget and in log2 length between measured lengths."""
+        lengths = np.asarray(lengths, dtype=np.float64)
+        betas = np.asarray(betas, dtype=np.float64)
         x = np.log2(np.clip(lengths, self.lengths[0], self.lengths[-1]))
         knots = np.log2(self.lengths.astype(np.float64))
         if len(knots) == 1:
@@ -120,10 +134,6 @@ class RecallCurves:
             hi = np.clip(np.searchsorted(knots, x), 1, len(knots) - 1)
             lo = hi - 1
             u = (x - knots[lo]) / (knots[hi] - knots[lo])
-        out = {}
-        for m in SCORED:
-            at = np.stack([np.interp(betas, self.betas, curve) for curve in self.heldout[m]])
-            cols = np.arange(lengths.size)
-            value = (1 - u) * at[lo, cols] + u * at[hi, cols]
-            out[m] = float((weight * value).sum() / weight.sum())
-        return out
+        at = np.stack([np.interp(betas, self.betas, curve) for curve in self.heldout[measure]])
+        cols = np.arange(lengths.size)
+        return (1 - u) * at[lo, cols] + u * at[hi, cols]
