@@ -12,6 +12,7 @@ from sb_titan.balance.doc_budgets import (
     BudgetCurve,
     DocBudgetConfig,
     DocCurves,
+    _ExactSeconds,
     allocate,
 )
 
@@ -203,3 +204,39 @@ def test_one_token_documents_weigh_nothing_and_bad_input_is_refused():
         DocBudgetConfig(beta_max=0.4, long_floor=0.5)
     with pytest.raises(ValueError, match="target_s"):
         allocate(docs, float("nan"), CFG)
+
+
+def _fits(exact: _ExactSeconds, total: int, target_s: float) -> bool:
+    """The exact rule: `total` on exact's scale, correctly rounded (int / int and int ->
+    float both round to nearest, ties to even), is within target_s."""
+    try:
+        if exact.shift >= 0:
+            return float(total << exact.shift) <= target_s
+        return total / (1 << -exact.shift) <= target_s
+    except OverflowError:  # beyond the largest float: above any target
+        return False
+
+
+def test_exact_seconds_limit_is_the_last_total_that_fits():
+    """`limit` against the rule it replaces, on scales from subnormal to huge seconds
+    (the common shift below and above 0) and targets at the edges: 0, the smallest
+    subnormal, a total's own float and its neighbours, the largest float."""
+    rng = np.random.default_rng(2)
+    checked = 0
+    for exponent in (-1074, -1040, -600, -60, -20, -1, 0, 1, 30, 200, 900, 960):
+        for _ in range(40):
+            mantissa = rng.uniform(0.5, 1.0, 6)
+            seconds = np.ldexp(mantissa, exponent + rng.integers(-3, 4, 6))
+            seconds[rng.integers(6)] = rng.choice([0.0, 5e-324, 1.0])
+            exact = _ExactSeconds(seconds.reshape(2, 3))
+            own = [float(x) for x in seconds] + [math.fsum(seconds.tolist())]
+            targets = [0.0, 5e-324, 1.7976931348623157e308, *own]
+            targets += [math.nextafter(t, d) for t in own for d in (0.0, math.inf)]
+            targets += np.ldexp(rng.random(4), exponent + rng.integers(-8, 60, 4)).tolist()
+            for target in (t for t in targets if math.isfinite(t)):
+                limit = exact.limit(target)
+                near = [limit + d for d in range(-3, 4)] + [limit * 2, limit // 2 + 1]
+                for total in (t for t in near if t >= 0):
+                    assert _fits(exact, total, target) == (total <= limit), (target, total)
+                    checked += 1
+    assert checked > 50000

@@ -170,28 +170,32 @@ class DocAllocator:
         self.exact = _ExactSeconds(seconds)
         self.value = (self.weight[:, None] * recall).tolist()
         self.groups = _groups(self.lo, self.hi, self.exact, seconds.tolist(), self.value)
+        self.before = list(itertools.accumulate((cost for _, cost, _ in self.groups), initial=0))
+        self.floor = self.exact.total(self.lo)
+        self.uniform: dict[int, int] = {}  # single budget -> its exact seconds, as asked
 
     def __call__(self, target_s: float) -> DocBudgets:
         if not math.isfinite(target_s) or target_s < 0:
             raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
-        pos, exact = self.lo.copy(), self.exact
-        if exact.fits(exact.total(pos), target_s):
-            _climb(pos, exact.total(pos), target_s, exact, self.groups)
-            uniform = _uniform(self.lo, self.hi, exact, target_s)
+        pos, limit = self.lo.copy(), self.exact.limit(target_s)
+        if self.floor <= limit:
+            _climb(pos, self.floor, limit, self.groups, self.before)
+            uniform = self._uniform(limit)
             if _value(self.value, uniform) > _value(self.value, pos):
                 pos = uniform
         return _result(self.grid, pos, self.seconds, self.recall, self.weight, target_s)
 
-
-def _uniform(lo: np.ndarray, hi: int, exact: _ExactSeconds, target_s: float) -> np.ndarray:
-    """The largest single budget (each document at least its floor) that fits:
-    micro-batch DST's answer, which the allocation never falls below. Ties of many
-    documents, taken together, can leave the sweep far short of it."""
-    for k in range(hi, int(lo.min(initial=hi)) - 1, -1):
-        pos = np.maximum(lo, k)
-        if exact.fits(exact.total(pos), target_s):
-            return pos
-    return lo
+    def _uniform(self, limit: int) -> np.ndarray:
+        """The largest single budget (each document at least its floor) that fits:
+        micro-batch DST's answer, which the allocation never falls below. Ties of many
+        documents, taken together, can leave the sweep far short of it. A budget's
+        seconds do not depend on the target, so each is summed once."""
+        for k in range(self.hi, int(self.lo.min(initial=self.hi)) - 1, -1):
+            if (total := self.uniform.get(k)) is None:
+                total = self.uniform[k] = self.exact.total(np.maximum(self.lo, k))
+            if total <= limit:
+                return np.maximum(self.lo, k)
+        return self.lo
 
 
 def _value(value: list[list[float]], pos: np.ndarray) -> float:
@@ -200,6 +204,9 @@ def _value(value: list[list[float]], pos: np.ndarray) -> float:
 
 Step = tuple[int, int, int, int, float]
 """A hull step: (document, from, to grid index, its exact seconds, its value gain)."""
+Group = tuple[tuple[Step, ...], int, tuple[int, ...]]
+"""Hull steps of equal slope: (the steps, their exact seconds, their documents). Tuples
+of numbers, which the garbage collector stops tracking: a step holds thousands."""
 
 
 def _groups(
@@ -208,7 +215,7 @@ def _groups(
     exact: _ExactSeconds,
     seconds: list[list[float]],
     value: list[list[float]],
-) -> list[list[Step]]:
+) -> list[Group]:
     """Every document's hull steps from its lowest budget, in falling slope, steps of
     equal slope grouped (taken together or not at all)."""
     steps = sorted(
@@ -219,78 +226,80 @@ def _groups(
         ),
         key=lambda item: -item[0],
     )  # stable: equal slopes keep document order
-    return [[step for _, step in run] for _, run in itertools.groupby(steps, lambda x: x[0])]
+    groups = []
+    for _, run in itertools.groupby(steps, lambda x: x[0]):
+        group = tuple(step for _, step in run)
+        groups.append((group, sum(step[3] for step in group), tuple(s[0] for s in group)))
+    return groups
 
 
-def _climb(
-    pos: np.ndarray, used: int, target_s: float, exact: _ExactSeconds, groups: list[list[Step]]
-) -> None:
+def _climb(pos: np.ndarray, used: int, limit: int, groups: list[Group], before: list[int]) -> None:
     """The sweep, or the exchange around its first miss where that keeps more value
-    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly."""
-    taken, missed = _sweep(groups, 0, used, target_s, exact, set())
+    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly; `limit`: the
+    most seconds that fit the target (`_ExactSeconds.limit`); `before`: the seconds of
+    the groups before each."""
+    taken, missed = _sweep(groups, 0, used, limit, set())
     if missed is not None:
-        other = _exchange(groups, missed, used, target_s, exact)
+        other = _exchange(groups, before, missed, used, limit)
         if other is not None and _gain(other) > _gain(taken):
             taken = other
-    for d, _, b, _, _ in taken:  # in slope order, so each document ends at its last step
-        pos[d] = b
+    for steps in taken:  # in slope order, so each document ends at its last step
+        for d, _, b, _, _ in steps:
+            pos[d] = b
 
 
 def _sweep(
-    groups: list[list[Step]],
-    start: int,
-    used: int,
-    target_s: float,
-    exact: _ExactSeconds,
-    blocked: set[int],
-) -> tuple[list[Step], int | None]:
-    """(steps taken from groups[start:] in order while they fit, the first group that
-    did not fit). A group is taken whole or not at all; one that does not fit stops its
-    documents, and cheaper steps of others may still fill the time."""
-    taken: list[Step] = []
+    groups: list[Group], start: int, used: int, limit: int, blocked: set[int]
+) -> tuple[list[tuple[Step, ...]], int | None]:
+    """(steps taken from groups[start:] in order while they fit, group by group; the
+    first group that did not fit). A group is taken whole or not at all; one that does
+    not fit stops its documents, and cheaper steps of others may still fill the time."""
+    taken: list[tuple[Step, ...]] = []
     missed = None
     for g in range(start, len(groups)):
-        group = [step for step in groups[g] if step[0] not in blocked]
-        if not group:
-            continue
-        cost = sum(step[3] for step in group)
-        if exact.fits(used + cost, target_s):
+        steps, cost, docs = groups[g]
+        if blocked and not blocked.isdisjoint(docs):
+            steps = tuple(step for step in steps if step[0] not in blocked)
+            if not steps:
+                continue
+            cost = sum(step[3] for step in steps)
+        if used + cost <= limit:
             used += cost
-            taken += group
+            taken.append(steps)
         else:
-            blocked.update(step[0] for step in group)
+            blocked.update(docs)
             missed = g if missed is None else missed
     return taken, missed
 
 
 def _exchange(
-    groups: list[list[Step]], missed: int, used: int, target_s: float, exact: _ExactSeconds
-) -> list[Step] | None:
+    groups: list[Group], before: list[int], missed: int, used: int, limit: int
+) -> list[tuple[Step, ...]] | None:
     """Take the first group that did not fit, giving back the cheapest groups taken
     before it (lowest slope first, none of its documents) until it fits, then sweep on:
     the knapsack's classic repair of the one large step the sweep had to leave out."""
-    kept = list(range(missed + 1))
-    used += sum(step[3] for g in kept for step in groups[g])
-    keep = {step[0] for step in groups[missed]}  # documents whose steps must stay
+    used += before[missed + 1]
+    keep = set(groups[missed][2])  # documents whose steps must stay
     dropped: set[int] = set()
+    given_back: set[int] = set()
     for g in reversed(range(missed)):
-        if exact.fits(used, target_s):
+        if used <= limit:
             break
-        docs = {step[0] for step in groups[g]}
+        _, cost, docs = groups[g]
         if keep.isdisjoint(docs):  # each is its document's last step: safe to give back
-            used -= sum(step[3] for step in groups[g])
-            dropped |= docs
-            kept.remove(g)
+            used -= cost
+            dropped.update(docs)
+            given_back.add(g)
         else:  # kept, so the earlier steps of all its documents stay too
-            keep |= docs
-    if not exact.fits(used, target_s):
+            keep.update(docs)
+    if used > limit:
         return None
-    rest, _ = _sweep(groups, missed + 1, used, target_s, exact, dropped)
-    return [step for g in kept for step in groups[g]] + rest
+    rest, _ = _sweep(groups, missed + 1, used, limit, dropped)
+    return [groups[g][0] for g in range(missed + 1) if g not in given_back] + rest
 
 
-def _gain(steps: list[Step]) -> float:
-    return math.fsum(step[4] for step in steps)
+def _gain(taken: list[tuple[Step, ...]]) -> float:
+    return math.fsum(step[4] for steps in taken for step in steps)
 
 
 def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[int, int, float]]:
@@ -320,7 +329,8 @@ def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[
 
 class _ExactSeconds:
     """Seconds [D, K] (>= 0) as exact integers on one common scale 2**shift: sums
-    without rounding, rounded once where they meet the target (as math.fsum would)."""
+    without rounding, rounded once where they meet the target (as math.fsum would),
+    through the largest total that fits it (`limit`)."""
 
     def __init__(self, seconds: np.ndarray) -> None:
         mantissa, exponent = np.frexp(seconds)  # seconds = mantissa * 2**exponent
@@ -336,11 +346,18 @@ class _ExactSeconds:
         """The documents' seconds at grid indices `pos`, exactly."""
         return sum(self.ints[d][k] for d, k in enumerate(pos.tolist()))
 
-    def fits(self, total: int, target_s: float) -> bool:
-        """Whether `total` (on this scale), correctly rounded, is within target_s."""
-        if self.shift >= 0:
-            return float(total << self.shift) <= target_s
-        return total / (1 << -self.shift) <= target_s  # int / int rounds correctly
+    def limit(self, target_s: float) -> int:
+        """The largest total (on this scale) that, correctly rounded, is within target_s
+        (>= 0): rounding is monotone, so each check is one comparison of integers
+        (rather than a division of big integers per check). A real rounds to at most
+        target_s below the midpoint to the next float up, and at it where target_s's
+        last bit is 0 (ties to even)."""
+        ulp = math.ulp(target_s)  # a power of two: target_s = n * ulp exactly
+        n = int(target_s / ulp)
+        exponent = math.frexp(ulp)[1] - 2 - self.shift  # midpoint = (2n + 1) * 2**exponent
+        if exponent < 0:  # the midpoint is no integer: the largest below it
+            return (2 * n + 1) >> -exponent
+        return ((2 * n + 1) << exponent) - (n & 1)
 
 
 def _result(
