@@ -10,9 +10,11 @@ import pytest
 
 from sb_titan.balance.doc_budgets import (
     BudgetCurve,
+    DocAllocator,
     DocBudgetConfig,
     DocCurves,
     _ExactSeconds,
+    _hull_steps,
     allocate,
 )
 
@@ -240,3 +242,107 @@ def test_exact_seconds_limit_is_the_last_total_that_fits():
                     assert _fits(exact, total, target) == (total <= limit), (target, total)
                     checked += 1
     assert checked > 50000
+
+
+def _hull_one(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[int, int, float]]:
+    """One row's hull steps, the plain way (the monotone chain, one point at a time):
+    (from, to, slope) while they gain value, each slope at most the one before."""
+    hull = [lo]
+    for k in range(lo + 1, hi + 1):
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (t[b] - t[a]) * (v[k] - v[b]) >= (v[b] - v[a]) * (t[k] - t[b]):
+                hull.pop()
+            else:
+                break
+        hull.append(k)
+    out: list[tuple[int, int, float]] = []
+    for a, b in zip(hull[:-1], hull[1:], strict=True):
+        gain, dt = v[b] - v[a], t[b] - t[a]
+        if gain <= 0:
+            break
+        slope = math.inf if dt == 0 else gain / dt
+        out.append((a, b, min(slope, out[-1][2]) if out else slope))
+    return out
+
+
+def test_hull_steps_on_all_rows_at_once_match_one_row_at_a_time():
+    """Rows with exact collinear runs (integers), interpolated runs (rounding decides),
+    plateaus, steps in no time, falling values and huge slopes, each within its own
+    [lo, hi]: the same steps, slopes equal to the bit."""
+    rng = np.random.default_rng(3)
+    width = 24
+    betas = np.linspace(0.05, 1.0, width)
+    rows_t, rows_v = [], []
+    for _ in range(3000):
+        kind = rng.integers(5)
+        if kind == 0:  # small integers: many exact ties
+            t = np.cumsum(rng.integers(0, 3, width)).astype(np.float64)
+            v = np.cumsum(rng.integers(0, 3, width)).astype(np.float64)
+        elif kind == 1:  # piecewise linear curves sampled on a grid (as the models are)
+            knots = np.sort(rng.choice(betas, 4, replace=False))
+            t = np.interp(betas, knots, np.cumsum(rng.random(4)))
+            v = np.interp(betas, knots, np.cumsum(rng.random(4))) * rng.integers(1, 40000)
+        elif kind == 2:  # plateaus and steps in no time
+            t = np.cumsum(rng.choice([0.0, 0.0, 1e-3, 0.25], width))
+            v = np.cumsum(rng.choice([0.0, 0.5, 1e-9], width))
+        elif kind == 3:  # anything, falling values included
+            t, v = rng.random(width), rng.normal(size=width)
+        else:  # tiny times beside large gains: slopes that overflow to inf
+            t = np.cumsum(rng.choice([0.0, 5e-324, 1e-310, 1e-300], width))
+            v = np.cumsum(rng.random(width)) * 1e10
+        rows_t.append(t)
+        rows_v.append(v)
+    t, v = np.array(rows_t), np.array(rows_v)
+    hi = rng.integers(0, width, len(t))
+    lo = rng.integers(0, hi + 1)
+    row, start, end, slope, _ = _hull_steps(t, v, lo, hi)
+    got: list[list[tuple[int, int, float]]] = [[] for _ in range(len(t))]
+    for r, a, b, s in zip(row.tolist(), start.tolist(), end.tolist(), slope.tolist(), strict=True):
+        got[r].append((a, b, s))
+    steps = 0
+    for r in range(len(t)):
+        want = _hull_one(t[r].tolist(), v[r].tolist(), int(lo[r]), int(hi[r]))
+        assert got[r] == want, r
+        steps += len(want)
+    assert steps > 3000
+
+
+def _table(docs: list[DocCurves], grid: np.ndarray):
+    """DocAllocator's inputs for `docs` on `grid`: (grid, seconds, recall, lengths)."""
+    seconds = [d.seconds.at(grid) for d in docs]
+    recall = [d.recall.at(grid) for d in docs]
+    shape = (len(docs), grid.size)
+    return (
+        grid,
+        np.array(seconds).reshape(shape),
+        np.array(recall).reshape(shape),
+        np.array([d.length for d in docs], dtype=np.int64),
+    )
+
+
+def test_many_allocators_decide_as_each_alone():
+    """`DocAllocator.many` finds every micro-batch's hulls in one pass over rows of
+    different grids (widths), floors and counts (none included): each decides as the
+    allocator built alone, which the tests above hold against brute force."""
+    rng = np.random.default_rng(4)
+    cfg = DocBudgetConfig(grid=GRID, beta_min=0.2, long_tokens=6000, long_floor=0.5)
+    tables = []
+    for n in (3, 0, 5, 1, 7, 2):
+        grid = np.sort(rng.choice(np.arange(2, 21) / 20, int(rng.integers(3, 12)), replace=False))
+        grid[-1] = 1.0
+        lengths, sensitivity = rng.integers(64, 9000, n), rng.uniform(0.5, 6, n)
+        docs = [_doc(int(x), float(s)) for x, s in zip(lengths, sensitivity, strict=True)]
+        tables.append(_table(docs + docs[:1] * (n > 2), grid))  # with a tie
+    # the last step of one micro-batch and the first of the next of equal slope (the
+    # same document): still two groups
+    pair, grid = [_doc(512, 2.0), _doc(4096, 1.0)], np.array([0.2, 1.0])
+    tables += [_table(pair[:1], grid), _table(pair, grid)]
+    together = DocAllocator.many(tables, cfg)
+    for table, allocator in zip(tables, together, strict=True):
+        alone = DocAllocator(*table, cfg)
+        total = table[1].sum(axis=0)
+        for target in np.linspace(0.5 * total[0], total[-1], 17).tolist():
+            got, want = allocator(target), alone(target)
+            assert got.betas.tolist() == want.betas.tolist()
+            assert (got.seconds, got.recall, got.met) == (want.seconds, want.recall, want.met)

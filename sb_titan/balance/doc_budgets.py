@@ -145,8 +145,8 @@ class DocAllocator:
     (increasing; it stands in for cfg.grid, whose other bounds apply), lengths [D].
     What does not depend on the time target (the hull steps in slope order) is done
     once: the step's allocation (balance/doc_dst.py) evaluates thousands of documents'
-    curves at once, adds each micro-batch's own budget to its grid, and may try several
-    targets."""
+    curves at once, adds each micro-batch's own budget to its grid, builds every
+    micro-batch's allocator at once (`many`) and may try several targets."""
 
     def __init__(
         self,
@@ -156,6 +156,35 @@ class DocAllocator:
         lengths: np.ndarray,
         cfg: DocBudgetConfig,
     ) -> None:
+        self._setup(grid, seconds, recall, lengths, cfg)
+        _find_groups([self])
+
+    @classmethod
+    def many(
+        cls,
+        curves: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        cfg: DocBudgetConfig,
+    ) -> list[DocAllocator]:
+        """`[DocAllocator(grid, seconds, recall, lengths, cfg) for ... in curves]`, with
+        the hulls of all their documents found at once: the hull is a loop over budgets,
+        which numpy then runs across every document of the step together."""
+        allocators = []
+        for grid, seconds, recall, lengths in curves:
+            allocator = cls.__new__(cls)
+            allocator._setup(grid, seconds, recall, lengths, cfg)
+            allocators.append(allocator)
+        _find_groups(allocators)
+        return allocators
+
+    def _setup(
+        self,
+        grid: np.ndarray,
+        seconds: np.ndarray,
+        recall: np.ndarray,
+        lengths: np.ndarray,
+        cfg: DocBudgetConfig,
+    ) -> None:
+        """All but `groups` and `before` (`_find_groups`)."""
         self.weight = np.where(lengths >= 2, lengths, 0).astype(np.float64)
         long = lengths >= cfg.long_tokens
         lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
@@ -169,10 +198,10 @@ class DocAllocator:
         self.grid, self.seconds, self.recall = grid, seconds, recall
         self.exact = _ExactSeconds(seconds)
         self.value = (self.weight[:, None] * recall).tolist()
-        self.groups = _groups(self.lo, self.hi, self.exact, seconds.tolist(), self.value)
-        self.before = list(itertools.accumulate((cost for _, cost, _ in self.groups), initial=0))
         self.floor = self.exact.total(self.lo)
         self.uniform: dict[int, int] = {}  # single budget -> its exact seconds, as asked
+        self.groups: list[Group] = []
+        self.before: list[int] = [0]
 
     def __call__(self, target_s: float) -> DocBudgets:
         if not math.isfinite(target_s) or target_s < 0:
@@ -209,26 +238,49 @@ Group = tuple[tuple[Step, ...], int, tuple[int, ...]]
 of numbers, which the garbage collector stops tracking: a step holds thousands."""
 
 
-def _groups(
-    lo: np.ndarray,
-    hi: int,
-    exact: _ExactSeconds,
-    seconds: list[list[float]],
-    value: list[list[float]],
-) -> list[Group]:
-    """Every document's hull steps from its lowest budget, in falling slope, steps of
-    equal slope grouped (taken together or not at all)."""
-    steps = sorted(
-        (
-            (slope, (d, a, b, exact.ints[d][b] - exact.ints[d][a], value[d][b] - value[d][a]))
-            for d in range(len(lo))
-            for a, b, slope in _hull_steps(seconds[d], value[d], int(lo[d]), hi)
-        ),
-        key=lambda item: -item[0],
-    )  # stable: equal slopes keep document order
+def _find_groups(allocators: list[DocAllocator]) -> None:
+    """Each allocator's `groups`: its documents' hull steps from their lowest budgets,
+    in falling slope, steps of equal slope grouped (taken together or not at all); and
+    `before`: the exact seconds of the groups before each."""
+    if not allocators:
+        return
+    counts = [a.lo.size for a in allocators]
+    starts = list(itertools.accumulate(counts, initial=0))
+    width = max(a.grid.size for a in allocators)
+    t, v = np.zeros((starts[-1], width)), np.zeros((starts[-1], width))
+    for a, top in zip(allocators, starts[:-1], strict=True):
+        t[top : top + a.lo.size, : a.grid.size] = a.seconds
+        v[top : top + a.lo.size, : a.grid.size] = a.weight[:, None] * a.recall  # `value`
+    lo = np.concatenate([a.lo for a in allocators]).astype(np.int64)
+    hi = np.repeat(np.array([a.hi for a in allocators], dtype=np.int64), counts)
+    row, start, end, slope, gain = _hull_steps(t, v, lo, hi)
+    owner = np.repeat(np.arange(len(allocators)), counts)[row]
+    order = np.lexsort((-slope, owner))  # stable: equal slopes keep document and hull order
+    row, start, end, slope, gain, owner = (x[order] for x in (row, start, end, slope, gain, owner))
+    first = np.ones(row.size, dtype=bool)  # the first step of each group
+    first[1:] = (owner[1:] != owner[:-1]) | (slope[1:] != slope[:-1])
+    doc = row - np.array(starts[:-1], dtype=np.int64)[owner]
+    steps = zip(doc.tolist(), start.tolist(), end.tolist(), gain.tolist(), strict=True)
+    cuts = np.searchsorted(owner, np.arange(len(allocators) + 1)).tolist()
+    firsts = first.tolist()
+    for i, allocator in enumerate(allocators):
+        ints = allocator.exact.ints
+        mine = [
+            (d, a, b, ints[d][b] - ints[d][a], g)
+            for d, a, b, g in itertools.islice(steps, cuts[i + 1] - cuts[i])
+        ]
+        allocator.groups = _groups(mine, firsts[cuts[i] : cuts[i + 1]])
+        allocator.before = list(
+            itertools.accumulate((cost for _, cost, _ in allocator.groups), initial=0)
+        )
+
+
+def _groups(steps: list[Step], first: list[bool]) -> list[Group]:
+    """`steps` (in falling slope) cut where `first` starts a group."""
+    cuts = [i for i, f in enumerate(first) if f] + [len(steps)]
     groups = []
-    for _, run in itertools.groupby(steps, lambda x: x[0]):
-        group = tuple(step for _, step in run)
+    for i, j in zip(cuts[:-1], cuts[1:], strict=True):
+        group = tuple(steps[i:j])
         groups.append((group, sum(step[3] for step in group), tuple(s[0] for s in group)))
     return groups
 
@@ -302,29 +354,43 @@ def _gain(taken: list[tuple[Step, ...]]) -> float:
     return math.fsum(step[4] for steps in taken for step in steps)
 
 
-def _hull_steps(t: list[float], v: list[float], lo: int, hi: int) -> list[tuple[int, int, float]]:
-    """(from, to, slope) of the upper convex hull of the points (t[k], v[k]), k in
-    [lo, hi], starting at lo, while they gain value; slopes strictly fall (a step in no
-    time has slope inf)."""
-    hull = [lo]
-    for k in range(lo + 1, hi + 1):
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (t[b] - t[a]) * (v[k] - v[b]) >= (v[b] - v[a]) * (t[k] - t[b]):
-                hull.pop()  # b lies on or below the chord from a to k
-            else:
-                break
-        hull.append(k)
-    out = []
-    for a, b in zip(hull[:-1], hull[1:], strict=True):
-        gain, dt = v[b] - v[a], t[b] - t[a]
-        if gain <= 0:
-            break
-        slope = math.inf if dt == 0 else gain / dt
-        # never above the step before, whatever the division rounds: a document's steps
-        # must come out of the sort in hull order
-        out.append((a, b, min(slope, out[-1][2]) if out else slope))
-    return out
+def _hull_steps(
+    t: np.ndarray, v: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row, from, to grid index, slope, value gain) of every step of the upper convex
+    hull of each row's points (t[r, k], v[r, k]), k in [lo[r], hi[r]], starting at
+    lo[r], while they gain value, in row then hull order; a row's slopes fall (a step in
+    no time has slope inf). The monotone chain on every row at once, each row seeing the
+    same tests in the same order and float64 arithmetic as alone."""
+    n, width = t.shape
+    hull = np.zeros((n, width), dtype=np.int64)
+    hull[:, 0] = lo
+    size = np.ones(n, dtype=np.int64)
+    for k in range(1, width):
+        rows = np.flatnonzero((lo < k) & (k <= hi))
+        pending = rows[size[rows] >= 2]
+        while pending.size:  # pop the top while it lies on or below the chord to k
+            top = size[pending] - 1
+            a, b = hull[pending, top - 1], hull[pending, top]
+            ta, tb, va, vb = t[pending, a], t[pending, b], v[pending, a], v[pending, b]
+            below = (tb - ta) * (v[pending, k] - vb) >= (vb - va) * (t[pending, k] - tb)
+            pending = pending[below]
+            size[pending] -= 1
+            pending = pending[size[pending] >= 2]
+        hull[rows, size[rows]] = k
+        size[rows] += 1
+    rows = np.arange(n)[:, None]
+    start, end = hull[:, :-1], hull[:, 1:]
+    gain, dt = v[rows, end] - v[rows, start], t[rows, end] - t[rows, start]
+    taken = np.arange(width - 1) < (size - 1)[:, None]
+    taken &= np.logical_and.accumulate(gain > 0, axis=1)  # up to the first that gains nothing
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        slope = np.where(dt == 0, np.inf, gain / dt)
+    # never above the step before, whatever the division rounds: a document's steps
+    # must come out of the sort in hull order
+    slope = np.minimum.accumulate(slope, axis=1)
+    row, j = np.nonzero(taken)
+    return row, start[row, j], end[row, j], slope[row, j], gain[row, j]
 
 
 class _ExactSeconds:

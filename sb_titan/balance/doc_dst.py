@@ -161,12 +161,13 @@ def step_doc_budgets(
         long_tokens=cfg.long_tokens,
         long_floor=cfg.long_floor,
     )
-    allocators, targets = [], []
+    tables, targets = [], []
     for i in range(curves.own.size):
         grid, seconds, recall, own = curves.microbatch(i)
         lengths = curves.lengths[curves.bounds[i] : curves.bounds[i + 1]]
-        allocators.append(DocAllocator(grid, seconds, recall, lengths, bounds))
+        tables.append((grid, seconds, recall, lengths))
         targets.append(math.fsum(seconds[:, own].tolist()))
+    allocators = DocAllocator.many(tables, bounds)
 
     def at(scale: float) -> tuple[list[np.ndarray], float]:
         got = [a(t * scale) for a, t in zip(allocators, targets, strict=True)]
