@@ -36,9 +36,10 @@ it, whatever the order the steps were taken in, on every rank alike.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -200,15 +201,15 @@ class DocAllocator:
         self.value = (self.weight[:, None] * recall).tolist()
         self.floor = self.exact.total(self.lo)
         self.uniform: dict[int, int] = {}  # single budget -> its exact seconds, as asked
-        self.groups: list[Group] = []
-        self.before: list[int] = [0]
+        self.groups = _Groups([], [], [0], True)
 
     def __call__(self, target_s: float) -> DocBudgets:
         if not math.isfinite(target_s) or target_s < 0:
             raise ValueError(f"allocate: target_s must be a finite number >= 0, got {target_s}")
-        pos, limit = self.lo.copy(), self.exact.limit(target_s)
+        pos, limit = self.lo, self.exact.limit(target_s)
         if self.floor <= limit:
-            _climb(pos, self.floor, limit, self.groups, self.before)
+            climbed = _climb(self.lo.tolist(), self.floor, limit, self.groups)
+            pos = np.array(climbed, dtype=self.lo.dtype)
             uniform = self._uniform(limit)
             if _value(self.value, uniform) > _value(self.value, pos):
                 pos = uniform
@@ -238,10 +239,21 @@ Group = tuple[tuple[Step, ...], int, tuple[int, ...]]
 of numbers, which the garbage collector stops tracking: a step holds thousands."""
 
 
+class _Groups(NamedTuple):
+    """A micro-batch's groups in falling slope, with what the sweep looks up."""
+
+    groups: list[Group]
+    steps: list[tuple[Step, ...]]  # each group's steps
+    before: list[int]  # the exact seconds of the groups before each
+    rising: bool
+    """No group takes less time (as where seconds do not fall with the budget): `before`
+    does not fall, and the groups the sweep takes before its first miss are found by
+    bisection."""
+
+
 def _find_groups(allocators: list[DocAllocator]) -> None:
     """Each allocator's `groups`: its documents' hull steps from their lowest budgets,
-    in falling slope, steps of equal slope grouped (taken together or not at all); and
-    `before`: the exact seconds of the groups before each."""
+    in falling slope, steps of equal slope grouped (taken together or not at all)."""
     if not allocators:
         return
     counts = [a.lo.size for a in allocators]
@@ -260,56 +272,65 @@ def _find_groups(allocators: list[DocAllocator]) -> None:
     first = np.ones(row.size, dtype=bool)  # the first step of each group
     first[1:] = (owner[1:] != owner[:-1]) | (slope[1:] != slope[:-1])
     doc = row - np.array(starts[:-1], dtype=np.int64)[owner]
-    steps = zip(doc.tolist(), start.tolist(), end.tolist(), gain.tolist(), strict=True)
+    steps = zip(
+        doc.tolist(), start.tolist(), end.tolist(), gain.tolist(), first.tolist(), strict=True
+    )
     cuts = np.searchsorted(owner, np.arange(len(allocators) + 1)).tolist()
-    firsts = first.tolist()
     for i, allocator in enumerate(allocators):
-        ints = allocator.exact.ints
-        mine = [
-            (d, a, b, ints[d][b] - ints[d][a], g)
-            for d, a, b, g in itertools.islice(steps, cuts[i + 1] - cuts[i])
-        ]
-        allocator.groups = _groups(mine, firsts[cuts[i] : cuts[i + 1]])
-        allocator.before = list(
-            itertools.accumulate((cost for _, cost, _ in allocator.groups), initial=0)
-        )
+        groups = _groups(itertools.islice(steps, cuts[i + 1] - cuts[i]), allocator.exact.ints)
+        costs = [cost for _, cost, _ in groups]
+        before = list(itertools.accumulate(costs, initial=0))
+        rising = all(cost >= 0 for cost in costs)
+        allocator.groups = _Groups(groups, [group[0] for group in groups], before, rising)
 
 
-def _groups(steps: list[Step], first: list[bool]) -> list[Group]:
-    """`steps` (in falling slope) cut where `first` starts a group."""
-    cuts = [i for i, f in enumerate(first) if f] + [len(steps)]
-    groups = []
-    for i, j in zip(cuts[:-1], cuts[1:], strict=True):
-        group = tuple(steps[i:j])
-        groups.append((group, sum(step[3] for step in group), tuple(s[0] for s in group)))
+def _groups(
+    steps: Iterable[tuple[int, int, int, float, bool]], ints: list[list[int]]
+) -> list[Group]:
+    """Hull steps (document, from, to, value gain, whether it starts a group), in
+    falling slope, with their exact seconds, grouped."""
+    groups: list[Group] = []
+    for d, a, b, gain, first in steps:
+        step = (d, a, b, ints[d][b] - ints[d][a], gain)
+        if first:
+            groups.append(((step,), step[3], (d,)))
+        else:  # of the slope of the group before: taken with it
+            same, cost, docs = groups[-1]
+            groups[-1] = ((*same, step), cost + step[3], (*docs, d))
     return groups
 
 
-def _climb(pos: np.ndarray, used: int, limit: int, groups: list[Group], before: list[int]) -> None:
-    """The sweep, or the exchange around its first miss where that keeps more value
-    (in place on `pos`); `used`: the documents' seconds at `pos`, exactly; `limit`: the
-    most seconds that fit the target (`_ExactSeconds.limit`); `before`: the seconds of
-    the groups before each."""
+def _climb(pos: list[int], used: int, limit: int, groups: _Groups) -> list[int]:
+    """`pos` after the sweep, or after the exchange around its first miss where that
+    keeps more value; `used`: the documents' seconds at `pos`, exactly; `limit`: the
+    most seconds that fit the target (`_ExactSeconds.limit`)."""
     taken, missed = _sweep(groups, 0, used, limit, set())
     if missed is not None:
-        other = _exchange(groups, before, missed, used, limit)
+        other = _exchange(groups, missed, used, limit)
         if other is not None and _gain(other) > _gain(taken):
             taken = other
     for steps in taken:  # in slope order, so each document ends at its last step
         for d, _, b, _, _ in steps:
             pos[d] = b
+    return pos
 
 
 def _sweep(
-    groups: list[Group], start: int, used: int, limit: int, blocked: set[int]
+    groups: _Groups, start: int, used: int, limit: int, blocked: set[int]
 ) -> tuple[list[tuple[Step, ...]], int | None]:
     """(steps taken from groups[start:] in order while they fit, group by group; the
     first group that did not fit). A group is taken whole or not at all; one that does
     not fit stops its documents, and cheaper steps of others may still fill the time."""
     taken: list[tuple[Step, ...]] = []
+    first = start
+    if groups.rising and not blocked:  # all whole up to the first miss: one bisection
+        before = groups.before
+        first = bisect.bisect_right(before, limit - used + before[start], start) - 1
+        taken = groups.steps[start:first]
+        used += before[first] - before[start]
     missed = None
-    for g in range(start, len(groups)):
-        steps, cost, docs = groups[g]
+    for g in range(first, len(groups.groups)):
+        steps, cost, docs = groups.groups[g]
         if blocked and not blocked.isdisjoint(docs):
             steps = tuple(step for step in steps if step[0] not in blocked)
             if not steps:
@@ -324,20 +345,20 @@ def _sweep(
     return taken, missed
 
 
-def _exchange(
-    groups: list[Group], before: list[int], missed: int, used: int, limit: int
-) -> list[tuple[Step, ...]] | None:
+def _exchange(groups: _Groups, missed: int, used: int, limit: int) -> list[tuple[Step, ...]] | None:
     """Take the first group that did not fit, giving back the cheapest groups taken
     before it (lowest slope first, none of its documents) until it fits, then sweep on:
     the knapsack's classic repair of the one large step the sweep had to leave out."""
-    used += before[missed + 1]
-    keep = set(groups[missed][2])  # documents whose steps must stay
+    used += groups.before[missed + 1]
+    keep = set(groups.groups[missed][2])  # documents whose steps must stay
     dropped: set[int] = set()
     given_back: set[int] = set()
+    last = missed  # the lowest group looked at
     for g in reversed(range(missed)):
         if used <= limit:
             break
-        _, cost, docs = groups[g]
+        last = g
+        _, cost, docs = groups.groups[g]
         if keep.isdisjoint(docs):  # each is its document's last step: safe to give back
             used -= cost
             dropped.update(docs)
@@ -347,7 +368,8 @@ def _exchange(
     if used > limit:
         return None
     rest, _ = _sweep(groups, missed + 1, used, limit, dropped)
-    return [groups[g][0] for g in range(missed + 1) if g not in given_back] + rest
+    looked = (groups.steps[g] for g in range(last, missed + 1) if g not in given_back)
+    return [*groups.steps[:last], *looked, *rest]
 
 
 def _gain(taken: list[tuple[Step, ...]]) -> float:
@@ -403,10 +425,8 @@ class _ExactSeconds:
         digits = (mantissa * 2.0**53).astype(np.int64)  # exact: 53 significant bits
         exponent = exponent.astype(np.int64) - 53
         self.shift = int(exponent.min()) if exponent.size else 0
-        self.ints = [
-            [m << (e - self.shift) for m, e in zip(row_m, row_e, strict=True)]
-            for row_m, row_e in zip(digits.tolist(), exponent.tolist(), strict=True)
-        ]
+        self.ints = np.left_shift(digits.astype(object), (exponent - self.shift).astype(object))
+        self.ints = self.ints.tolist()  # Python ints: wider than 64 bits where need be
 
     def total(self, pos: np.ndarray) -> int:
         """The documents' seconds at grid indices `pos`, exactly."""
