@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 
 from sb_titan.attention.layout import block_budgets, doc_ids_from_positions
-from sb_titan.attention.ops import block_sparse_attention, full_table, select
+from sb_titan.attention.ops import (
+    block_sparse_attention,
+    full_table,
+    measure_true_recall,
+    select,
+)
+from sb_titan.attention.selection import block_pairs
 from sb_titan.context_parallel.attention import cp_attention
 from sb_titan.context_parallel.split import (
     allowed_blocks,
@@ -46,15 +52,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _reference(q, k, v, doc_id, budget, grad):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    density = None
+    density = blocks = None
     if budget is None:
         table = full_table(doc_id, HKV, BS)
     else:
         table, stats = select(q, k, doc_id, budget, policy="mass", block_size=BS, scale=D**-0.5)
         density = float(stats.density.sum())
+        # per query block: sampled true recall, hits, pairs, kept and allowed key blocks
+        sampled = measure_true_recall(
+            q, k, doc_id, None, table, scale=D**-0.5, rate=1.0, lse_base2=False
+        )
+        blocks = torch.cat([torch.stack(sampled), block_pairs(table, doc_id)])
     out = block_sparse_attention(q, k, v, doc_id, table, D**-0.5, "torch")
     out.backward(grad)
-    return (out.detach(), q.grad, k.grad, v.grad), density
+    return (out.detach(), q.grad, k.grad, v.grad), density, blocks
 
 
 def main(out_dir: str) -> None:
@@ -80,7 +91,7 @@ def main(out_dir: str) -> None:
         mixed = block_budgets(doc_id, per_doc, BS)
         budgets = {"dense": None, "sparse": torch.tensor([0.5, 0.8]), "mixed": mixed}
         for kind, budget in budgets.items():
-            ref, ref_density = _reference(q, k, v, doc_id, budget, grad)
+            ref, ref_density, ref_blocks = _reference(q, k, v, doc_id, budget, grad)
             for split_name, split in splits.items():
                 idx = split.token_index(rank)
                 at = idx[:, None, :, None]
@@ -96,8 +107,9 @@ def main(out_dir: str) -> None:
 
                 with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                     out, stats = cp_attention(
-                        *shard, doc_id, split, rank, group, budget=budget, policy="mass"
-                    )
+                        *shard, doc_id, split, rank, group, budget=budget, policy="mass",
+                        true_recall_rate=1.0,
+                    )  # fmt: skip
                 out.backward(grad.gather(2, at.expand(B, HQ, idx.shape[1], D)))
                 got = [out.detach(), *(t.grad for t in shard)]
                 errs = {
@@ -111,6 +123,14 @@ def main(out_dir: str) -> None:
                     totals = stats.totals()
                     dist.all_reduce(totals)
                     results[key]["density"] = [float(totals[0]), ref_density]
+                    blocks = stats.block_sums()  # each shard its own query blocks
+                    dist.all_reduce(blocks)
+                    results[key]["blocks_counted_equal"] = bool(
+                        (blocks[2:] == ref_blocks[2:]).all()
+                    )
+                    results[key]["blocks_recall_err"] = float(
+                        (blocks[:2] - ref_blocks[:2]).abs().max()
+                    )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
 

@@ -75,7 +75,7 @@ def test_compiled_attention_matches_eager_and_counts_stats_once(policy, budget):
             module = torch.compile(module, fullgraph=True)  # a graph break is an error
         q, k, v, doc_id = _inputs()
         stats = torch.zeros(STATS_SIZE)
-        blocks = torch.zeros(3, 2, -(-doc_id.shape[1] // 64))  # per query block
+        blocks = torch.zeros(5, 2, -(-doc_id.shape[1] // 64))  # per query block
         meta = AttnMeta(doc_id, torch.full((2,), budget), torch.tensor(0), stats, None, blocks)
         out = module(q, k, v, meta)
         out.pow(2).sum().backward()
@@ -90,9 +90,16 @@ def test_compiled_attention_matches_eager_and_counts_stats_once(policy, budget):
     for mode in ("eager", "compiled"):
         blocks, stats = results[mode][-2:]
         assert stats[1].item() == 2 and stats[6].item() == sampled > 0, (mode, stats)
-        # ... and per query block: every q head of its sampled query, once
+        # ... and per query block: every q head of its sampled query, once; its key
+        # blocks allowed (causal, own document: row 0's second document starts in block
+        # 1, at token 120) and kept, per kv head, whose ratio per row is its density
         assert blocks[2].tolist() == (at * q.shape[2]).float().tolist(), mode
-        torch.testing.assert_close(blocks.sum(dim=(1, 2)), stats[4:7])
+        torch.testing.assert_close(blocks[:3].sum(dim=(1, 2)), stats[4:7])
+        sinks = [[0, 0, 1, 1, 1], [0] * 5]
+        allowed = [[2.0 * (i - s + 1) for i, s in enumerate(row)] for row in sinks]
+        assert blocks[4].tolist() == allowed, mode
+        assert (blocks[3] >= 2).all() and (blocks[3] <= blocks[4]).all(), mode
+        torch.testing.assert_close((blocks[3].sum(1) / blocks[4].sum(1)).sum(), stats[0])
 
 
 # ------------------------------------------------------------------- training (torchrun)

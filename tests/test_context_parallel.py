@@ -29,7 +29,8 @@ def test_cp_attention_matches_single_process(degree, tmp_path):
     same table (fp32, <= 1e-5 relative): dense and `mass`-sparse layers (a row-wide
     budget, and one per query block whose documents hold different betas), zigzag and
     document splits, documents crossing shard boundaries and rows of many short ones;
-    the shards' density adds up to the single-process density."""
+    the shards' density adds up to the single-process density, and their per-query-block
+    sums (what the trainer credits to documents) to the single-process ones."""
     forked_torchrun(degree, [str(tmp_path)], timeout=600, entry=cp_attention_worker.main)
     for rank in range(degree):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -41,6 +42,9 @@ def test_cp_attention_matches_single_process(degree, tmp_path):
             if "density" in errs:
                 got, want = errs["density"]
                 assert got == pytest.approx(want, rel=1e-6), (rank, case)
+                # sampled pairs, kept and allowed key blocks: counts, exactly equal
+                assert errs["blocks_counted_equal"], (rank, case)
+                assert errs["blocks_recall_err"] <= 1e-4, (rank, case)
 
 
 def _owned(split: CPSplit) -> list[list[list[int]]]:

@@ -53,10 +53,11 @@ def _measured(doc_budgets=None) -> StepMeasurements:
         seconds={},
         rank_compute={},
         step_seconds=1.0,
-        density={},
+        density={(0, 0): 0.5},
         recall={},
         budgets=[[0.6]],
-        doc_sampled={(0, 0): [(6.0, 9.0, 10.0), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]},
+        # per document: true recall sum, top-key hits, pairs, kept and allowed blocks
+        doc_sums={(0, 0): [(6.0, 9.0, 10.0, 20.0, 80.0), (1.0, 1.0, 1.0, 4.0, 4.0), (0,) * 5]},
         doc_budgets=doc_budgets,
         sample_rate=0.5,
     )
@@ -83,6 +84,16 @@ def test_document_recalls_invert_each_documents_own_recall(measure):
     np.testing.assert_allclose(rows, [[0.7, (r * 640 - 128) / 512, 1 / 3]], rtol=1e-12)
     _, rows = _measured().document_recalls(PLAN, BS, measure, 8.0)
     assert rows[0, 0] == 0.6  # no per-document budgets: the micro-batch's
+
+
+def test_sab_learns_each_documents_own_density_where_it_was_credited():
+    """Kept over allowed key blocks of each document's own query blocks; a document with
+    no block of its own keeps its micro-batch's density."""
+    ids, densities = _measured().sample_densities(PLAN)
+    assert ids == [7, 9, 4]
+    assert densities == [20.0 / 80.0, 1.0, 0.5]
+    without = dataclasses.replace(_measured(), doc_sums={})  # history off: as before
+    assert without.sample_densities(PLAN) == ([7, 9, 4], [0.5, 0.5, 0.5])
 
 
 def _planner() -> Planner:

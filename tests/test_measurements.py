@@ -105,27 +105,27 @@ def test_document_sums_travel_padded_to_the_fullest_dp_rank_and_add_over_stages(
     1 documents, rank 1 one of 4 (every rank sends room for 4); rank 0's two PP stages
     each measured their own layers, and the sums add up per document."""
     counts = [[2, 1], [4, 0]]
-    stage0 = {0: [[1.0, 1.0, 2.0], [0.5, 0.0, 1.0]], 1: [[2.0, 2.0, 2.0]]}
-    stage1 = {0: [[0.25, 1.0, 2.0], [0.0, 0.0, 0.0]]}  # micro-batch 1 not run here
-    rank1 = {0: [[float(i), 0.0, 1.0] for i in range(4)], 1: []}
+    stage0 = {0: [[1.0, 1.0, 2.0, 3.0, 4.0], [0.5, 0.0, 1.0, 1.0, 2.0]], 1: [[2.0] * 5]}
+    stage1 = {0: [[0.25, 1.0, 2.0, 1.0, 4.0], [0.0] * 5]}  # micro-batch 1 not run here
+    rank1 = {0: [[float(i), 0.0, 1.0, 2.0, 2.0] for i in range(4)], 1: []}
     local = [
-        {"dp": 0, "pp": 0, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sampled": stage0},
-        {"dp": 0, "pp": 1, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sampled": stage1},
-        {"dp": 1, "pp": 0, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sampled": rank1},
+        {"dp": 0, "pp": 0, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sums": stage0},
+        {"dp": 0, "pp": 1, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sums": stage1},
+        {"dp": 1, "pp": 0, "seconds": {}, "stats": {}, "step_seconds": 1.0, "doc_sums": rank1},
     ]
     encoded = [encode_measurements(x, 2, counts) for x in local]
-    assert all(e.numel() == measurement_size(2) + 3 * 4 for e in encoded)
+    assert all(e.numel() == measurement_size(2) + 5 * 4 for e in encoded)
     gathered = decode_measurements(torch.cat(encoded), 2, counts)
-    assert gathered[0]["doc_sampled"] == stage0
-    assert gathered[1]["doc_sampled"] == {**stage1, 1: [[0.0, 0.0, 0.0]]}  # absent: zeros
-    assert gathered[2]["doc_sampled"] == rank1
+    assert gathered[0]["doc_sums"] == stage0
+    assert gathered[1]["doc_sums"] == {**stage1, 1: [[0.0] * 5]}  # absent: zeros
+    assert gathered[2]["doc_sums"] == rank1
     piece = Piece(0, 0, 64)
     mbs = [[MicroBatchPlan(rows=[[piece] * n]) for n in rank] for rank in counts]
     m = StepMeasurements.from_gathered(gathered, StepPlan(0, 0, mbs), [[0.5, 0.5]] * 2)
-    assert m.doc_sampled == {
-        (0, 0): [(1.25, 2.0, 4.0), (0.5, 0.0, 1.0)],
-        (0, 1): [(2.0, 2.0, 2.0)],
-        (1, 0): [(0.0, 0.0, 1.0), (1.0, 0.0, 1.0), (2.0, 0.0, 1.0), (3.0, 0.0, 1.0)],
+    assert m.doc_sums == {
+        (0, 0): [(1.25, 2.0, 4.0, 4.0, 8.0), (0.5, 0.0, 1.0, 1.0, 2.0)],
+        (0, 1): [(2.0,) * 5],
+        (1, 0): [(float(i), 0.0, 1.0, 2.0, 2.0) for i in range(4)],
     }  # micro-batch (1, 1) has no documents
-    with pytest.raises(ValueError, match="micro-batch 0: expected 2 documents x 3 sums"):
-        encode_measurements({**local[0], "doc_sampled": {0: [[1.0, 1.0, 2.0]]}}, 2, counts)
+    with pytest.raises(ValueError, match="micro-batch 0: expected 2 documents x 5 sums"):
+        encode_measurements({**local[0], "doc_sums": {0: [[1.0] * 5]}}, 2, counts)

@@ -28,10 +28,11 @@ class AttnMeta(NamedTuple):
     """Context parallelism: [B, N, NB / N] int64, the query blocks each CP rank owns
     (context_parallel.split.CPSplit.blocks); doc_id then covers the full row while the
     model's tokens are this rank's shard."""
-    sampled_blocks: torch.Tensor | None = None
-    """[3, B, NB] float32: the sampled true recall, top-key hits and pairs of each query
-    block (AttnStats.sampled_blocks), summed over the sparse layers, when the trainer
-    credits documents with their own recall ([dst] doc_history)."""
+    block_stats: torch.Tensor | None = None
+    """[len(selection.BLOCK_FIELDS), B, NB] float32: each query block's sampled true
+    recall, top-key hits and pairs, kept and allowed key blocks (AttnStats.block_sums),
+    summed over the sparse layers, when the trainer credits documents with their own
+    recall and density ([dst] doc_history)."""
 
 
 def doc_ids_from_positions(positions: torch.Tensor) -> torch.Tensor:

@@ -104,6 +104,15 @@ STATS_FIELDS = (
 """The statistics tensor's layout, the one place that defines it: the sparse layers add
 into it, the trainer exchanges it, CP ranks scale their share of `rows` (cp_share)."""
 STATS_SIZE = len(STATS_FIELDS)
+BLOCK_FIELDS = (
+    "true_recall_sum",  # as in STATS_FIELDS, per query block
+    "top_hit_sum",
+    "samples",
+    "kept_blocks",  # key blocks kept, summed over kv heads
+    "allowed_blocks",  # key blocks it may see (causal, its own document), times kv heads
+)
+"""The per-query-block statistics' layout (AttnStats.block_sums, AttnMeta.block_stats):
+what the trainer credits to each block's document."""
 
 
 class AttnStats(NamedTuple):
@@ -116,6 +125,7 @@ class AttnStats(NamedTuple):
     true_recall: torch.Tensor
     top_hit: torch.Tensor
     samples: torch.Tensor
+    blocks: torch.Tensor | None = None  # [2, B, NB] once measured: block_pairs(table)
 
     @classmethod
     def estimated(cls, density, recall, tokens) -> AttnStats:
@@ -130,10 +140,25 @@ class AttnStats(NamedTuple):
         est = [self.density.sum(), rows, (self.recall * self.tokens).sum(), self.tokens.sum()]
         return torch.stack(est + [self.true_recall.sum(), self.top_hit.sum(), self.samples.sum()])
 
-    def sampled_blocks(self) -> torch.Tensor:
-        """[3, B, NB] float32: the sampled sums per query block (true recall, top-key
-        hits, pairs), which add up over layers and CP shards (row coordinates)."""
-        return torch.stack([self.true_recall, self.top_hit, self.samples]).float()
+    def block_sums(self) -> torch.Tensor:
+        """[len(BLOCK_FIELDS), B, NB] float32 per query block, in BLOCK_FIELDS order:
+        sums that add up over layers and CP shards (row coordinates)."""
+        sampled = torch.stack([self.true_recall, self.top_hit, self.samples])
+        return torch.cat([sampled.float(), self.blocks.float()])
+
+
+def block_pairs(
+    table: BlockTable, doc_id: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[2, B, NB] float32: each query block's kept and allowed key blocks, summed over
+    kv heads (a document's density is their ratio over its blocks); `rows` [B, NB]: a
+    CP shard's own query blocks, the others count 0."""
+    kept = table.kv_ptr.diff(dim=-1).sum(1)  # [B, NB]
+    nb = kept.shape[-1]
+    sink = sink_blocks(doc_id, table.block_size)
+    allowed = (torch.arange(nb, device=kept.device) - sink + 1) * table.kv_ptr.shape[1]
+    out = torch.stack([kept, allowed]).float()
+    return out if rows is None else out * rows
 
 
 def cp_share(totals: torch.Tensor, degree: int) -> torch.Tensor:

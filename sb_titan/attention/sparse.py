@@ -16,7 +16,7 @@ import torch
 from sb_titan.attention.backends import estimator_for, resolve_backend
 from sb_titan.attention.flex import flex_attention
 from sb_titan.attention.ops import attention_forward, measure_true_recall, select
-from sb_titan.attention.selection import AttnStats
+from sb_titan.attention.selection import AttnStats, block_pairs
 
 
 def sparse_attention(
@@ -58,5 +58,8 @@ def sparse_attention(
             q, k, doc_id, lse, table, scale=scale, rate=true_recall_rate,
             lse_base2=backend == "triton",
         )  # fmt: skip
-        stats = stats._replace(true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2])
+        blocks = block_pairs(table, doc_id)
+        stats = stats._replace(
+            true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2], blocks=blocks
+        )
     return out, stats

@@ -258,7 +258,7 @@ class Balancer:
             recall.update(m.recall_observations(plan, recall.block_size, recall.measure))
         ids, densities = m.sample_densities(plan)
         self.planner.observe(ids, densities, step=plan.step)
-        if model is not None and self.dst.learns_doc_history and m.doc_sampled:
+        if model is not None and self.dst.learns_doc_history and m.doc_sums:
             measure, half = model.recall_model.measure, self.dst.doc_history_blocks
             ids, rows = m.document_recalls(plan, model.block_size, measure, half)
             self.planner.observe_recalls(ids, rows, step=plan.step)

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sb_titan.attention.selection import STATS_FIELDS, STATS_SIZE
+from sb_titan.attention.selection import BLOCK_FIELDS, STATS_FIELDS, STATS_SIZE
 from sb_titan.balance.cost_model import LatencyObservation
 from sb_titan.balance.dst import sensitive_recall
 from sb_titan.balance.sab import StepPlan
 
 _SAMPLED = slice(STATS_FIELDS.index("true_recall_sum"), STATS_SIZE)
+_KEPT, _ALLOWED = BLOCK_FIELDS.index("kept_blocks"), BLOCK_FIELDS.index("allowed_blocks")
 
 
 @dataclass
@@ -34,11 +35,11 @@ class StepMeasurements:
     density partial sums: the same denominator on every CP rank of a row)."""
     sampled: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
     """(dp, mb) -> (true recall sum, top-key hits, sampled pairs) of its sampled queries."""
-    doc_sampled: dict[tuple[int, int], list[tuple[float, float, float]]] = field(
-        default_factory=dict
-    )
-    """(dp, mb) -> the same sums for each of its documents, in `doc_lens` order (the
-    trainer credits a query block to the document of its first token)."""
+    doc_sums: dict[tuple[int, int], list[tuple[float, ...]]] = field(default_factory=dict)
+    """(dp, mb) -> for each of its documents in `doc_lens` order, the sums of its query
+    blocks in selection.BLOCK_FIELDS order (sampled true recall, top-key hits, pairs,
+    kept and allowed key blocks; the trainer credits a query block to the document of
+    its first token)."""
     doc_budgets: list[list[list[float]]] | None = None
     """[dp][mb][document] budgets under per-document DST (None: the micro-batch's)."""
     sample_rate: float = 1.0
@@ -59,7 +60,7 @@ class StepMeasurements:
         cp_kept: dict[tuple[int, int], dict[int, float]] = {}
         docs: dict[tuple[int, int], np.ndarray] = {}
         for g in sorted(gathered, key=lambda g: (g["dp"], g["pp"], g.get("cp", 0))):
-            for mb, values in g.get("doc_sampled", {}).items():  # stages and shards add
+            for mb, values in g.get("doc_sums", {}).items():  # stages and shards add
                 key = (g["dp"], int(mb))
                 docs[key] = docs.get(key, 0.0) + np.asarray(values, dtype=np.float64)
             cp = g.get("cp", 0)
@@ -82,14 +83,14 @@ class StepMeasurements:
         pp = 1 + max(g["pp"] for g in gathered)
         kept = {k: [v[r] for r in sorted(v)] for k, v in cp_kept.items() if len(v) > 1}
         sampled = {k: tuple(v[_SAMPLED]) for k, v in sums.items() if v[_SAMPLED][-1] > 0}
-        doc_sampled = {
+        doc_sums = {
             k: [tuple(row) for row in v.tolist()]
             for k, v in docs.items()
-            if v.size and v[:, 2].any()
+            if v.size and v[:, _ALLOWED].any()
         }
         return cls(
             seconds, rank_compute, step, density, recall, budgets, pp, kept, sampled,
-            doc_sampled, doc_budgets, sample_rate,
+            doc_sums, doc_budgets, sample_rate,
         )  # fmt: skip
 
     def observations(self, plan: StepPlan) -> list[LatencyObservation]:
@@ -145,7 +146,7 @@ class StepMeasurements:
         ids: list[int] = []
         rows: list[list[float]] = []
         field = 1 if measure == "top_key" else 0
-        for (dp, mb), sums in sorted(self.doc_sampled.items()):
+        for (dp, mb), sums in sorted(self.doc_sums.items()):
             pieces = [p for row in plan.microbatches[dp][mb].rows for p in row]
             own = self.doc_budgets[dp][mb] if self.doc_budgets is not None else None
             for d, (piece, values) in enumerate(zip(pieces, sums, strict=True)):
@@ -161,11 +162,18 @@ class StepMeasurements:
         return ids, np.asarray(rows, dtype=np.float64).reshape(-1, 3)
 
     def sample_densities(self, plan: StepPlan) -> tuple[list[int], list[float]]:
+        """(sample ids, densities) for SAB: each document's own (its query blocks' kept
+        over allowed key blocks) where the trainer credited documents, else its
+        micro-batch's."""
         ids, dens = [], []
         for (dp, mb), rho in sorted(self.density.items()):
-            for row in plan.microbatches[dp][mb].rows:
-                for piece in row:
-                    ids.append(piece.sample_id)
+            pieces = [p for row in plan.microbatches[dp][mb].rows for p in row]
+            own = self.doc_sums.get((dp, mb)) or [None] * len(pieces)
+            for piece, sums in zip(pieces, own, strict=True):
+                ids.append(piece.sample_id)
+                if sums is not None and sums[_ALLOWED] > 0:
+                    dens.append(min(1.0, sums[_KEPT] / sums[_ALLOWED]))
+                else:
                     dens.append(rho)
         return ids, dens
 

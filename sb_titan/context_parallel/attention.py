@@ -26,7 +26,7 @@ from sb_titan.attention.ops import (
     measure_true_recall,
     select,
 )
-from sb_titan.attention.selection import AttnStats, BlockTable
+from sb_titan.attention.selection import AttnStats, BlockTable, block_pairs
 from sb_titan.context_parallel.collectives import all_gather
 from sb_titan.context_parallel.split import CPSplit
 
@@ -79,7 +79,10 @@ def cp_attention(
             q_row, k_row, doc_id, _to_row(lse, local, L), table, scale=scale,
             rate=true_recall_rate, lse_base2=backend == "triton", rows=rows,
         )  # fmt: skip
-        stats = stats._replace(true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2])
+        blocks = block_pairs(table, doc_id, rows)
+        stats = stats._replace(
+            true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2], blocks=blocks
+        )
     return out, stats
 
 

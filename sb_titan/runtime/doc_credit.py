@@ -1,13 +1,14 @@
-"""Per-document recall for `[dst] doc_history`: a buffer per micro-batch that the sparse
-layers add each query block's sampled sums into (`AttnMeta.sampled_blocks`), and, after
-the step, those sums credited to the documents of the plan (`layout.document_sums`)
-for the measurement all-gather."""
+"""Per-document recall and density for `[dst] doc_history`: a buffer per micro-batch that
+the sparse layers add each query block's sums into (`AttnMeta.block_stats`, in
+selection.BLOCK_FIELDS order), and, after the step, those sums credited to the documents
+of the plan (`layout.document_sums`) for the measurement all-gather."""
 
 from __future__ import annotations
 
 import torch
 
 from sb_titan.attention.layout import document_sums
+from sb_titan.attention.selection import BLOCK_FIELDS
 from sb_titan.balance.sab import StepPlan
 
 
@@ -19,18 +20,19 @@ class DocumentCredit:
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
 
     def buffer(self, mb_index: int, doc_id: torch.Tensor, docs_per_row: list[int]) -> torch.Tensor:
-        """A zeroed [3, B, NB] buffer for micro-batch `mb_index` (doc_id [B, L]: its full
-        rows, so CP shards add into row coordinates), kept until the step is gathered."""
+        """A zeroed [len(BLOCK_FIELDS), B, NB] buffer for micro-batch `mb_index` (doc_id
+        [B, L]: its full rows, so CP shards add into row coordinates), kept until the step
+        is gathered."""
         nb = -(-doc_id.shape[1] // self.block_size)
-        sampled = doc_id.new_zeros(3, doc_id.shape[0], nb, dtype=torch.float32)
-        self._buffers[mb_index] = (sampled, doc_id, docs_per_row)
-        return sampled
+        sums = doc_id.new_zeros(len(BLOCK_FIELDS), doc_id.shape[0], nb, dtype=torch.float32)
+        self._buffers[mb_index] = (sums, doc_id, docs_per_row)
+        return sums
 
     def local(self) -> dict[int, list[list[float]]]:
-        """Each micro-batch this rank ran: its documents' sums (measurements' doc_sampled)."""
+        """Each micro-batch this rank ran: its documents' sums (measurements' doc_sums)."""
         return {
-            mb: document_sums(sampled, doc_id, docs, self.block_size).tolist()
-            for mb, (sampled, doc_id, docs) in sorted(self._buffers.items())
+            mb: document_sums(sums, doc_id, docs, self.block_size).tolist()
+            for mb, (sums, doc_id, docs) in sorted(self._buffers.items())
         }
 
     def reset(self) -> None:

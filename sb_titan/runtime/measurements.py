@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sb_titan.attention.selection import STATS_SIZE
+from sb_titan.attention.selection import BLOCK_FIELDS, STATS_SIZE
 
 _HEADER = 5  # dp, pp, cp, step_seconds, micro-batches per step
 _ROW = 3 + STATS_SIZE  # timed?, seconds, stats?, then the stats in STATS_FIELDS order
-DOC_FIELDS = 3  # per document: sampled true recall sum, top-key hits, sampled pairs
+DOC_FIELDS = len(BLOCK_FIELDS)  # per document, the query blocks' sums it was credited
 DocCounts = list[list[int]]  # [dp rank][micro-batch]: documents, in the plan's order
 
 
@@ -38,7 +38,7 @@ def encode_measurements(
     under context parallelism: absent means 0) as a float64 vector of
     measurement_size(microbatches, doc_counts). A micro-batch this rank did not time
     or has no stats for is flagged absent (a PP stage or rank sees only some). With
-    `doc_counts`, local["doc_sampled"][mb] holds each document of micro-batch mb's
+    `doc_counts`, local["doc_sums"][mb] holds each document of micro-batch mb's
     DOC_FIELDS sums (layout.document_sums), micro-batch after micro-batch; zeros where
     absent, as the sums of a document add up over stages and CP shards."""
     rows = [[0.0] * _ROW for _ in range(microbatches)]
@@ -59,7 +59,7 @@ def encode_measurements(
     docs = [0.0] * (DOC_FIELDS * _doc_slots(doc_counts))
     at = 0
     for mb, n in enumerate(doc_counts[local["dp"]] if doc_counts else []):
-        sums = local.get("doc_sampled", {}).get(mb)
+        sums = local.get("doc_sums", {}).get(mb)
         if sums is not None:
             if len(sums) != n or any(len(v) != DOC_FIELDS for v in sums):
                 raise ValueError(f"micro-batch {mb}: expected {n} documents x {DOC_FIELDS} sums")
@@ -73,7 +73,7 @@ def decode_measurements(
 ) -> list[dict]:
     """Every rank's measurements from the all-gathered vectors (world x size, any shape
     that flattens to it), in the form StepMeasurements.from_gathered takes (with
-    `doc_counts`, "doc_sampled" holds every micro-batch of the rank's DP rank)."""
+    `doc_counts`, "doc_sums" holds every micro-batch of the rank's DP rank)."""
     size = measurement_size(microbatches, doc_counts)
     table = _HEADER + _ROW * microbatches
     flat = gathered.detach().reshape(-1).cpu().tolist()
@@ -94,9 +94,9 @@ def decode_measurements(
             "step_seconds": step_seconds,
         }
         if doc_counts:
-            got["doc_sampled"], i = {}, at + table
+            got["doc_sums"], i = {}, at + table
             for mb, count in enumerate(doc_counts[int(dp)]):
-                got["doc_sampled"][mb] = [
+                got["doc_sums"][mb] = [
                     flat[j : j + DOC_FIELDS] for j in range(i, i + DOC_FIELDS * count, DOC_FIELDS)
                 ]
                 i += DOC_FIELDS * count

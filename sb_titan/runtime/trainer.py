@@ -168,11 +168,11 @@ class SBTrainer(Trainer):
             self.ntokens_seen += labels.numel()
         stats = self._mb_stats[mb_index] = positions.new_zeros(STATS_SIZE, dtype=torch.float32)
         mb = torch.tensor(mb_index)
-        sampled = None
+        block_stats = None
         if self._doc_credit is not None:
             docs_per_row = [len(row) for row in plan.microbatches[self._dp_rank()][mb_index].rows]
-            sampled = self._doc_credit.buffer(mb_index, doc_id, docs_per_row)
-        extra["attention_masks"] = AttnMeta(doc_id, block_budget, mb, stats, cp_blocks, sampled)
+            block_stats = self._doc_credit.buffer(mb_index, doc_id, docs_per_row)
+        extra["attention_masks"] = AttnMeta(doc_id, block_budget, mb, stats, cp_blocks, block_stats)
         return inputs, labels, extra
 
     def _take_step(self, scheduled: ScheduledStep) -> None:
@@ -239,7 +239,7 @@ class SBTrainer(Trainer):
         totals = torch.stack([self._mb_stats[mb] for mb in mbs]).tolist() if mbs else []
         stats = {mb: v for mb, v in zip(mbs, totals, strict=True) if v[1] > 0}
         return {
-            "doc_sampled": self._doc_credit.local() if self._doc_credit is not None else {},
+            "doc_sums": self._doc_credit.local() if self._doc_credit is not None else {},
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
             "cp": self._cp_rank(),
