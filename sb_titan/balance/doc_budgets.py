@@ -156,36 +156,9 @@ class DocAllocator:
         recall: np.ndarray,
         lengths: np.ndarray,
         cfg: DocBudgetConfig,
+        find_groups: bool = True,
     ) -> None:
-        self._setup(grid, seconds, recall, lengths, cfg)
-        _find_groups([self])
-
-    @classmethod
-    def many(
-        cls,
-        curves: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
-        cfg: DocBudgetConfig,
-    ) -> list[DocAllocator]:
-        """`[DocAllocator(grid, seconds, recall, lengths, cfg) for ... in curves]`, with
-        the hulls of all their documents found at once: the hull is a loop over budgets,
-        which numpy then runs across every document of the step together."""
-        allocators = []
-        for grid, seconds, recall, lengths in curves:
-            allocator = cls.__new__(cls)
-            allocator._setup(grid, seconds, recall, lengths, cfg)
-            allocators.append(allocator)
-        _find_groups(allocators)
-        return allocators
-
-    def _setup(
-        self,
-        grid: np.ndarray,
-        seconds: np.ndarray,
-        recall: np.ndarray,
-        lengths: np.ndarray,
-        cfg: DocBudgetConfig,
-    ) -> None:
-        """All but `groups` and `before` (`_find_groups`)."""
+        """find_groups False: `groups` and `before` are left to `_find_groups` (`many`)."""
         self.weight = np.where(lengths >= 2, lengths, 0).astype(np.float64)
         long = lengths >= cfg.long_tokens
         lowest = np.where(long, max(cfg.beta_min, cfg.long_floor), cfg.beta_min)
@@ -202,6 +175,21 @@ class DocAllocator:
         self.floor = self.exact.total(self.lo)
         self.uniform: dict[int, int] = {}  # single budget -> its exact seconds, as asked
         self.groups = _Groups([], [], [0], True)
+        if find_groups:
+            _find_groups([self])
+
+    @classmethod
+    def many(
+        cls,
+        curves: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+        cfg: DocBudgetConfig,
+    ) -> list[DocAllocator]:
+        """`[DocAllocator(grid, seconds, recall, lengths, cfg) for ... in curves]`, with
+        the hulls of all their documents found at once: the hull is a loop over budgets,
+        which numpy then runs across every document of the step together."""
+        allocators = [cls(*c, cfg, find_groups=False) for c in curves]
+        _find_groups(allocators)
+        return allocators
 
     def __call__(self, target_s: float) -> DocBudgets:
         if not math.isfinite(target_s) or target_s < 0:
