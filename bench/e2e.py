@@ -248,6 +248,7 @@ def plot(results: dict, out: Path) -> None:
                 va="bottom",
                 fontsize=8,
             )
+        ax.tick_params(axis="x", labelrotation=25)  # six variant names side by side
         ax.set_title(f"{name}: real tokens/s after warm-up")
         ax.set_ylim(0, max(tps) * 1.25)
     fig.tight_layout()

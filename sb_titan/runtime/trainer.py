@@ -239,13 +239,13 @@ class SBTrainer(Trainer):
         totals = torch.stack([self._mb_stats[mb] for mb in mbs]).tolist() if mbs else []
         stats = {mb: v for mb, v in zip(mbs, totals, strict=True) if v[1] > 0}
         return {
-            "doc_sums": self._doc_credit.local() if self._doc_credit is not None else {},
             "dp": self._dp_rank(),
             "pp": self._pp_rank(),
             "cp": self._cp_rank(),
             "seconds": seconds,
             "stats": stats,
             "step_seconds": step_seconds,
+            "doc_sums": self._doc_credit.local() if self._doc_credit is not None else {},
         }
 
     def _after_step(self, step_seconds: float) -> dict[str, Any] | None:
@@ -341,7 +341,6 @@ class SBTrainer(Trainer):
         self, plan: StepPlan, mb_index: int, budget: float, per_doc: DocDecision | None
     ) -> None:
         mb = plan.microbatches[self._dp_rank()][mb_index]
-        rows = mb.rows
         record = {
             "step": self.step,
             "plan_step": plan.step,
@@ -350,7 +349,7 @@ class SBTrainer(Trainer):
             "step_budgets": self._budgets,
             "cost_model_snapshot": self._snapshot,
             "plan_digest": plan_digest(plan),
-            "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in rows],
+            "rows": [[[p.sample_id, p.start, p.length] for p in row] for row in mb.rows],
         }
         if per_doc is not None:  # absent without it, so that earlier logs read the same
             record["doc_budgets"] = per_doc.budgets[self._dp_rank()][mb_index]
