@@ -125,13 +125,13 @@ class AttnStats(NamedTuple):
     true_recall: torch.Tensor
     top_hit: torch.Tensor
     samples: torch.Tensor
-    blocks: torch.Tensor | None = None  # [2, B, NB] once measured: block_pairs(table)
+    blocks: torch.Tensor  # [2, B, NB] with them (block_pairs; [B] zeros before)
 
     @classmethod
     def estimated(cls, density, recall, tokens) -> AttnStats:
         """Selection's statistics, before any true recall is measured (zero samples)."""
         zero = torch.zeros_like(density)
-        return cls(density, recall, tokens, zero, zero, zero)
+        return cls(density, recall, tokens, zero, zero, zero, zero)
 
     def totals(self) -> torch.Tensor:
         """[STATS_SIZE] sums in STATS_FIELDS order that add up over rows, layers and

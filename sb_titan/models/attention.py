@@ -192,5 +192,5 @@ def _add_stats(meta: AttnMeta, stats: AttnStats, cp_degree: int = 1) -> None:
     if meta.stats is not None:
         totals = stats.totals()
         meta.stats.add_(totals if cp_degree == 1 else cp_share(totals, cp_degree))
-    if meta.block_stats is not None and stats.blocks is not None:
+    if meta.block_stats is not None and stats.blocks.dim() == 3:  # measured per block
         meta.block_stats.add_(stats.block_sums())
