@@ -38,10 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from sb_titan.balance.dst import DSTConfig, sensitive_recall
+from sb_titan.balance.dst import DSTConfig, sensitive_recall, sensitive_tokens
 from sb_titan.balance.sab import SABConfig
-from sb_titan.data.longtail import longtail_v1
-from sb_titan.simulator import Cluster, Scenario, build_simulator, make_balancer
+from sb_titan.simulator import Cluster, Scenario, build_simulator, draw_lengths, make_balancer
 from sb_titan.simulator.step import DOC_VARIANT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,25 +67,18 @@ QUICK = Setting(
 )
 
 
-def epoch_lengths(c: Cluster, steps: int, seed: int) -> np.ndarray:
-    """longtail-v1 documents for about `steps` full steps: one epoch, then they recur."""
-    pilot = longtail_v1(4096, c.seq_len, seed + 1).mean()
-    tokens = steps * c.dp * c.microbatches * c.rows * c.seq_len
-    return longtail_v1(int(tokens / pilot), c.seq_len, seed)
-
-
 def truth(curves, lengths: np.ndarray, betas: np.ndarray, m: np.ndarray, bs: int):
     """(each document's true recall, its sensitive tokens' kept mass or NaN where it
     has none) at `betas` with sensitivities `m`."""
     recall = curves.per_document(lengths, betas, "true")
     kept = np.full(lengths.size, np.nan)
     out = recall.copy()
+    sensitive = sensitive_tokens(lengths, bs)
     for i, (n, r) in enumerate(zip(lengths.tolist(), recall.tolist(), strict=True)):
         got = sensitive_recall([n], r, bs)
         if got is not None:
             kept[i] = min(1.0, max(1e-6, 1.0 - m[i] * (1.0 - got[1])))
-            sensitive = n - 2 * bs
-            out[i] = (n - sensitive + sensitive * kept[i]) / n
+            out[i] = (n - sensitive[i] + sensitive[i] * kept[i]) / n
     return out, kept
 
 
@@ -96,7 +88,7 @@ def run(setting: Setting, curves_path: Path, progress: bool = True) -> dict:
     sc = Scenario(steps=1, seed=setting.seed, dst=dst, recall_curves=str(curves_path))
     sim = build_simulator(c, sc)
     model, curves, bs = sim.models.planning, sim.curves, sc.block_size
-    lengths = epoch_lengths(c, setting.epoch_steps, setting.seed)
+    lengths = draw_lengths(c, setting.epoch_steps, setting.seed, spare=False)
     rng = np.random.default_rng(setting.seed + 7)
     sensitivity = np.exp(setting.sigma * rng.standard_normal(lengths.size))
     sab = SABConfig(policy="sab", seed=setting.seed, observe_lag=1)
@@ -127,7 +119,7 @@ def run(setting: Setting, curves_path: Path, progress: bool = True) -> dict:
             recall, kept = truth(curves, n, betas, sensitivity[ids], bs)
             weight = np.where(n >= 2, n, 0)
             seen = ~np.isnan(kept)
-            blocks = np.maximum(n - 2 * bs, 0) / bs
+            blocks = sensitive_tokens(n, bs) / bs
             w = np.ones(n.size) if v == "oracle" else blocks / (blocks + dst.doc_history_blocks)
             report = np.stack([betas, kept, w], axis=1)[seen]
             balancers[v].planner.observe_recalls(ids[seen], report, step=plan.step)

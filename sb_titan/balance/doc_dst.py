@@ -40,7 +40,7 @@ import numpy as np
 
 from sb_titan.balance.cost_model import CostModel
 from sb_titan.balance.doc_budgets import DocAllocator, DocBudgetConfig
-from sb_titan.balance.dst import DSTConfig, DSTDecision
+from sb_titan.balance.dst import DSTConfig, DSTDecision, sensitive_tokens
 from sb_titan.balance.sab import MicroBatchPlan, StepPlan
 
 GRID = tuple(k / 100 for k in range(1, 101))  # budgets a document may take (and its own)
@@ -120,7 +120,7 @@ class _StepCurves:
         rest what the recall model predicts (dst.recalled_tokens, per document),
         corrected by the document's own history where it has one."""
         length = self.lengths.astype(np.float64)
-        sensitive = np.maximum(0.0, length - 2 * model.block_size)
+        sensitive = sensitive_tokens(length, model.block_size)
         kept = model.recall_model.predict(beta, length) if length.size else length
         if self.history is not None:  # it loses what the model says, scaled by its history
             kept = np.clip(1.0 - (1.0 - kept) * self.history, 0.0, 1.0)

@@ -195,8 +195,9 @@ def _anchor(seconds: np.ndarray, kind: str) -> float:
     return min(max(values[kind](), float(seconds.min())), float(seconds.max()))
 
 
-def _sensitive(lengths: np.ndarray, block_size: int) -> np.ndarray:
-    """Query tokens past their document's first two blocks (documents block-aligned)."""
+def sensitive_tokens(lengths: np.ndarray | float, block_size: int) -> np.ndarray:
+    """Query tokens past their document's first two blocks (documents block-aligned):
+    the budget-sensitive ones; the first two blocks keep everything at any budget."""
     return np.maximum(0.0, lengths - 2 * block_size)
 
 
@@ -224,7 +225,7 @@ class _Docs:
     ) -> None:
         self.unit, self.n_units, self.model = unit, n_units, cost_model.recall_model
         attending = np.where(lengths > 1, lengths, 0.0)
-        self.sensitive = _sensitive(lengths, cost_model.block_size)
+        self.sensitive = sensitive_tokens(lengths, cost_model.block_size)
         self.base = attending - self.sensitive
         self.attending_u = np.bincount(unit, attending, n_units)
         self.rows = self.model.length_rows(lengths) if lengths.size else None
@@ -245,7 +246,7 @@ def sensitive_recall(
     kept by its budget-sensitive tokens), or None if it has none. This is what the
     trainer feeds `cost_model.recall_model`."""
     lengths = np.asarray([float(n) for n in doc_lens if n > 1])
-    sensitive = float(_sensitive(lengths, block_size).sum())
+    sensitive = float(sensitive_tokens(lengths, block_size).sum())
     if sensitive <= 0:
         return None
     attending = float(lengths.sum())

@@ -12,7 +12,7 @@ import numpy as np
 
 from sb_titan.attention.selection import BLOCK_FIELDS, STATS_FIELDS, STATS_SIZE
 from sb_titan.balance.cost_model import LatencyObservation
-from sb_titan.balance.dst import sensitive_recall
+from sb_titan.balance.dst import sensitive_recall, sensitive_tokens
 from sb_titan.balance.sab import StepPlan
 
 _SAMPLED = slice(STATS_FIELDS.index("true_recall_sum"), STATS_SIZE)
@@ -155,7 +155,7 @@ class StepMeasurements:
                 got = sensitive_recall([piece.length], values[field] / values[2], block_size)
                 if got is None:  # no budget-sensitive tokens: nothing a budget changes
                     continue
-                blocks = self.sample_rate * max(piece.length - 2 * block_size, 0) / block_size
+                blocks = self.sample_rate * sensitive_tokens(piece.length, block_size) / block_size
                 budget = own[d] if own is not None else self.budgets[dp][mb]
                 ids.append(piece.sample_id)
                 rows.append([budget, got[1], blocks / (blocks + half_blocks)])

@@ -17,12 +17,14 @@ from sb_titan.simulator.stages import build_cost_models
 from sb_titan.simulator.step import Simulator, StepResult, make_balancer, variants
 
 
-def draw_lengths(cluster: Cluster, steps: int, seed: int) -> np.ndarray:
+def draw_lengths(cluster: Cluster, steps: int, seed: int, spare: bool = True) -> np.ndarray:
     """Enough longtail-v1 documents for every step to see fresh ones (the planner
-    would start a new epoch otherwise, which is harmless)."""
+    would start a new epoch otherwise, which is harmless); `spare` False: about `steps`
+    full steps' worth, one epoch after which they recur."""
     pilot = longtail_v1(4096, cluster.seq_len, seed + 1).mean()
     tokens = steps * cluster.dp * cluster.microbatches * cluster.rows * cluster.seq_len
-    return longtail_v1(int(1.2 * tokens / pilot) + 1024, cluster.seq_len, seed)
+    count = int(1.2 * tokens / pilot) + 1024 if spare else int(tokens / pilot)
+    return longtail_v1(count, cluster.seq_len, seed)
 
 
 def build_simulator(cluster: Cluster, sc: Scenario) -> Simulator:
