@@ -108,7 +108,7 @@ def main(out_dir: str) -> None:
                 with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
                     out, stats = cp_attention(
                         *shard, doc_id, split, rank, group, budget=budget, policy="mass",
-                        true_recall_rate=1.0,
+                        true_recall_rate=1.0, per_block=True,
                     )  # fmt: skip
                 out.backward(grad.gather(2, at.expand(B, HQ, idx.shape[1], D)))
                 got = [out.detach(), *(t.grad for t in shard)]

@@ -32,12 +32,15 @@ def sparse_attention(
     backend: str = "auto",
     scorer: str = "mean",
     true_recall_rate: float = 0.0,
+    per_block: bool = False,
 ) -> tuple[torch.Tensor, AttnStats]:
     """q: [B, Hq, L, D]; k, v: [B, Hkv, L, D]; doc_id: [B, L]; budget in (0, 1]: [B, NB]
     per query block (layout.block_budgets), or a row-wide [B] or scalar.
 
     Returns (out [B, Hq, L, D], AttnStats with per-row density and estimated recall,
-    and, when true_recall_rate > 0, true recall and top-key hits of sampled queries).
+    and, when true_recall_rate > 0, true recall and top-key hits of sampled queries per
+    query block, with each block's kept and allowed key blocks when `per_block`: what
+    the trainer credits to documents, counted only where it does).
     scorer: the estimator family that ranks blocks (attention/block_scores.py).
     """
     backend = resolve_backend(backend, q.device.type)
@@ -58,7 +61,7 @@ def sparse_attention(
             q, k, doc_id, lse, table, scale=scale, rate=true_recall_rate,
             lse_base2=backend == "triton",
         )  # fmt: skip
-        blocks = block_pairs(table, doc_id)
+        blocks = block_pairs(table, doc_id) if per_block else stats.blocks
         stats = stats._replace(
             true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2], blocks=blocks
         )

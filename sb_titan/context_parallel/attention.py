@@ -47,13 +47,15 @@ def cp_attention(
     estimator: str = "torch",
     scorer: str = "mean",
     true_recall_rate: float = 0.0,
+    per_block: bool = False,
 ) -> tuple[Tensor, AttnStats | None]:
     """q: [B, Hq, Lr, D], k, v: [B, Hkv, Lr, D] this rank's tokens in shard order;
     doc_id: [B, L] of the full row. budget None: dense (every allowed block).
 
     Returns (out [B, Hq, Lr, D], this shard's AttnStats or None when dense): its density,
-    token-weighted recall and sampled true-recall sums add up over the CP ranks of a
-    row (each samples only its own query blocks)."""
+    token-weighted recall and sampled true-recall sums (and with `per_block` its query
+    blocks' kept and allowed key blocks) add up over the CP ranks of a row (each
+    samples only its own query blocks)."""
     B, Hq, Lr, D = q.shape
     bs = split.block_size
     L = doc_id.shape[1]
@@ -79,7 +81,7 @@ def cp_attention(
             q_row, k_row, doc_id, _to_row(lse, local, L), table, scale=scale,
             rate=true_recall_rate, lse_base2=backend == "triton", rows=rows,
         )  # fmt: skip
-        blocks = block_pairs(table, doc_id, rows)
+        blocks = block_pairs(table, doc_id, rows) if per_block else stats.blocks
         stats = stats._replace(
             true_recall=sampled[0], top_hit=sampled[1], samples=sampled[2], blocks=blocks
         )

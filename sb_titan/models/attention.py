@@ -135,6 +135,7 @@ class SBAttention(Module):
                 backend=self.config.backend,
                 scorer=self.config.scorer,
                 true_recall_rate=self._true_recall_rate(),
+                per_block=meta.block_stats is not None,
             )
             _add_stats(meta, stats)
         else:
@@ -160,6 +161,7 @@ class SBAttention(Module):
             policy=self.config.policy, scale=scale, backend=backend,
             estimator=estimator_for(backend, q.device.type), scorer=self.config.scorer,
             true_recall_rate=self._true_recall_rate(),
+            per_block=meta.block_stats is not None,
         )  # fmt: skip
         if stats is not None:  # a shard's density and recall sums; its share of the rows
             _add_stats(meta, stats, split.degree)

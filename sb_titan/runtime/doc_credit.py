@@ -29,10 +29,15 @@ class DocumentCredit:
         return sums
 
     def local(self) -> dict[int, list[list[float]]]:
-        """Each micro-batch this rank ran: its documents' sums (measurements' doc_sums)."""
+        """Each micro-batch this rank ran: its documents' sums (measurements' doc_sums),
+        from one host copy of all the step's buffers (their shapes are the step's)."""
+        if not self._buffers:
+            return {}
+        mbs = sorted(self._buffers)
+        sums, doc_ids = (torch.stack([self._buffers[mb][i] for mb in mbs]).cpu() for i in (0, 1))
         return {
-            mb: document_sums(sums, doc_id, docs, self.block_size).tolist()
-            for mb, (sums, doc_id, docs) in sorted(self._buffers.items())
+            mb: document_sums(s, d, self._buffers[mb][2], self.block_size).tolist()
+            for mb, s, d in zip(mbs, sums, doc_ids, strict=True)
         }
 
     def reset(self) -> None:
