@@ -321,7 +321,7 @@ def fake_attention(beta: float, fake_dense: bool = True) -> Iterator[AttentionCa
 
     def sparse(
         q, k, v, doc_id, budget, *, policy, block_size, scale=None, backend="auto",
-        scorer="mean", true_recall_rate=0.0,
+        scorer="mean", true_recall_rate=0.0, per_block=False,
     ):  # fmt: skip
         # selection's and true recall's working memory is transient and bounded by
         # block_scores.SCORE_ELEMENTS (64 MiB of scores at a time) whatever the length
